@@ -1,0 +1,1 @@
+"""dlrm-cxl: a DLRM trainer whose embedding tables live in a persistent memory pool."""

@@ -1,0 +1,16 @@
+"""memory_pool: embedding tables in a tiered, persistent memory pool.
+
+>>> from memory_pool import MemoryPool
+>>> with MemoryPool.create("/tmp/p", tier="pmem") as pool:
+...     t = pool.create_table("user", 1000, 64, init="uniform")
+...     t.write(torch.tensor([3]), torch.ones(1, 64))
+...     pool.persist()
+"""
+
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+from .pool import FORMAT_VERSION, MemoryPool, PoolStats, Table, TableConfig, destroy_pool, read_header
+from .tiers import TIERS
+
+__all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "TIERS", "FORMAT_VERSION",
+           "destroy_pool", "read_header", *_errors_all]

@@ -1,0 +1,144 @@
+"""The project's exception hierarchy.
+
+Every error a user can cause derives from :class:`DlrmCxlError` and carries a ``hint``: one
+sentence saying what to do about it. ``str(err)`` includes the hint, so a CLI can print it as is.
+Errors that are also classic Python categories (bad arguments) additionally derive from the
+builtin (``ValueError``), so ``except ValueError`` keeps working for callers that expect it.
+
+The CLI maps each class to an exit code (``EXIT_CODE``); ``dlrm_cxl.cli`` reads it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DlrmCxlError",
+    "PoolFormatError",
+    "PoolCorruptError",
+    "PoolVersionError",
+    "PoolLockedError",
+    "PoolFullError",
+    "PoolReadOnlyError",
+    "PoolVolatileError",
+    "TableExistsError",
+    "TableNotFoundError",
+    "InvalidIdsError",
+    "InvalidValuesError",
+    "DataFormatError",
+    "TrainingDivergedError",
+    "RecoveryError",
+    "PoolExistsError",
+]
+
+
+class DlrmCxlError(Exception):
+    """Base class. ``hint`` tells the user what to do; ``exit_code`` is the CLI's status."""
+
+    exit_code = 1
+    default_hint = ""
+
+    def __init__(self, message: str, hint: str | None = None):
+        self.message = message
+        self.hint = self.default_hint if hint is None else hint
+        super().__init__(f"{message} (hint: {self.hint})" if self.hint else message)
+
+
+class PoolFormatError(DlrmCxlError):
+    """The path is not a pool, or its header cannot be parsed."""
+
+    exit_code = 3
+    default_hint = "check --pool; create a pool with `dlrm-cxl train --pool DIR`"
+
+
+class PoolCorruptError(PoolFormatError):
+    """A header, table file, log record or snapshot fails its checksum or is truncated."""
+
+    exit_code = 4
+    default_hint = "the pool is damaged; restore it from a copy (nothing was changed)"
+
+
+class PoolVersionError(PoolFormatError):
+    """The pool was written by another on-disk format version."""
+
+    exit_code = 3
+    default_hint = "open it with the dlrm-cxl version that wrote it, or export and re-import"
+
+
+class PoolLockedError(DlrmCxlError):
+    """Another process holds the pool's writer lock."""
+
+    exit_code = 5
+    default_hint = "stop the other writer, or open read-only (inspect/eval do)"
+
+
+class PoolFullError(DlrmCxlError):
+    """The pool's capacity, or the disk under it, cannot hold what was asked for."""
+
+    exit_code = 6
+    default_hint = "pool full: raise --capacity or free disk space"
+
+
+class PoolReadOnlyError(DlrmCxlError):
+    exit_code = 2
+    default_hint = "open the pool without read_only=True to change it"
+
+
+class PoolVolatileError(DlrmCxlError):
+    """A ``dram`` pool's contents lived in its process and are gone."""
+
+    exit_code = 3
+    default_hint = "dram pools do not survive their process; use --tier shm, pmem or power-sim"
+
+
+class TableExistsError(DlrmCxlError, ValueError):
+    exit_code = 2
+    default_hint = "pick another name, or open the existing table with pool.table(name)"
+
+
+class TableNotFoundError(DlrmCxlError, KeyError):
+    exit_code = 2
+    default_hint = "list the pool's tables with `dlrm-cxl inspect --pool DIR`"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Exception.__str__(self)
+
+
+class InvalidIdsError(DlrmCxlError, ValueError):
+    """Ids out of range, negative, or of a non-integer dtype."""
+
+    exit_code = 2
+    default_hint = "ids must be int64 in [0, num_embeddings); check the hashing of the input"
+
+
+class InvalidValuesError(DlrmCxlError, ValueError):
+    """Values of the wrong shape or dtype, or not finite."""
+
+    exit_code = 2
+    default_hint = "values must be a [len(ids), embedding_dim] tensor of the table's dtype"
+
+
+class DataFormatError(DlrmCxlError, ValueError):
+    """A malformed input line or file; the message names file and line."""
+
+    exit_code = 7
+    default_hint = "fix the input, or pass --skip-bad-lines to skip and count such lines"
+
+
+class TrainingDivergedError(DlrmCxlError):
+    """The loss became NaN/inf; the step was not applied."""
+
+    exit_code = 8
+    default_hint = "lower the learning rate; the pool is still at the last committed step"
+
+
+class RecoveryError(PoolCorruptError):
+    """Recovery found damage it cannot repair; it changed nothing."""
+
+    exit_code = 4
+    default_hint = "the undo log or a snapshot is damaged; restore the pool from a copy (nothing was changed)"
+
+
+class PoolExistsError(DlrmCxlError):
+    """``create`` was asked to make a pool where one (or other files) already exist."""
+
+    exit_code = 2
+    default_hint = "open the existing pool, choose another --pool, or pass --fresh to start over"

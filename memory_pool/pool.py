@@ -1,0 +1,623 @@
+"""The memory pool: a directory of embedding tables in one tier, with a checksummed header.
+
+Layout of a pool directory::
+
+    DIR/pool.json       header: magic, format version, pool id, tier, tables, meta, crc32
+    DIR/LOCK            the writer lock (flock; released by the kernel when the writer dies)
+    DIR/tables/*.bin    table rows, row-major (pmem, power-sim)
+    /dev/shm/dlrm-cxl-<pool id>/tables/*.bin   table rows for the shm tier
+    <storage_dir>/...   files of the checkpointer (undo log, dense snapshots, commit record);
+                        ``storage_dir`` is in the same tier as the rows
+
+Exactly one writer at a time holds ``LOCK``; read-only opens take no lock and map the files
+privately, so they never change them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ._fs import atomic_write
+from ._native import libpmem
+from .cache import RowCache
+from .errors import (
+    InvalidIdsError,
+    InvalidValuesError,
+    PoolCorruptError,
+    PoolExistsError,
+    PoolFormatError,
+    PoolFullError,
+    PoolLockedError,
+    PoolReadOnlyError,
+    PoolVersionError,
+    PoolVolatileError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from .tiers import TIERS, Region, detect_dax, durability_of, open_region, shm_root, torch_dtype
+
+__all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION"]
+
+MAGIC = "dlrm-cxl-pool"
+FORMAT_VERSION = 1
+HEADER = "pool.json"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """What a table is; the :class:`Table` object owns its memory."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    dtype: str = "float32"
+
+    @property
+    def row_bytes(self) -> int:
+        return self.embedding_dim * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_embeddings * self.row_bytes
+
+
+def _validate_table_config(cfg: TableConfig) -> None:
+    if not isinstance(cfg.name, str) or not _NAME_RE.match(cfg.name):
+        raise ValueError(f"table name {cfg.name!r} must match {_NAME_RE.pattern}")
+    if not isinstance(cfg.num_embeddings, int) or cfg.num_embeddings < 1:
+        raise ValueError(f"num_embeddings must be a positive int, got {cfg.num_embeddings!r}")
+    if not isinstance(cfg.embedding_dim, int) or cfg.embedding_dim < 1:
+        raise ValueError(f"embedding_dim must be a positive int, got {cfg.embedding_dim!r}")
+    try:
+        torch_dtype(cfg.dtype)
+    except KeyError:
+        raise ValueError(f"dtype must be one of float32, float16, bfloat16; got {cfg.dtype!r}") from None
+
+
+def _validate_ids(ids, cfg: TableConfig) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidIdsError(f"table {cfg.name!r}: ids are not a tensor: {exc}") from None
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise InvalidIdsError(f"table {cfg.name!r}: ids must be int64 or int32, got {ids.dtype}")
+    if ids.dim() != 1:
+        raise InvalidIdsError(f"table {cfg.name!r}: ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0:
+            raise InvalidIdsError(f"table {cfg.name!r}: negative id {lo}")
+        if hi >= cfg.num_embeddings:
+            raise InvalidIdsError(f"table {cfg.name!r}: id {hi} out of range [0, {cfg.num_embeddings})")
+    return ids.to(torch.int64)
+
+
+def _validate_values(values, n: int, cfg: TableConfig) -> torch.Tensor:
+    if not isinstance(values, torch.Tensor):
+        raise InvalidValuesError(f"table {cfg.name!r}: values must be a torch.Tensor, got {type(values).__name__}")
+    want = torch_dtype(cfg.dtype)
+    if values.dtype != want:
+        raise InvalidValuesError(f"table {cfg.name!r}: values dtype {values.dtype}, table dtype {want}")
+    if tuple(values.shape) != (n, cfg.embedding_dim):
+        raise InvalidValuesError(
+            f"table {cfg.name!r}: values shape {tuple(values.shape)}, expected ({n}, {cfg.embedding_dim})")
+    if n and not bool(torch.isfinite(values).all()):
+        raise InvalidValuesError(f"table {cfg.name!r}: values contain NaN or inf")
+    return values
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass
+class PoolStats:
+    """Counters since the pool was opened. Bytes are payload bytes (rows), not pages."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    bytes_read_dram: int = 0
+    bytes_read_home: int = 0
+    bytes_written: int = 0
+    persist_calls: int = 0
+    bytes_persisted: int = 0
+    persist_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- table
+
+
+class Table:
+    """One embedding table of a pool. Get it with :meth:`MemoryPool.table`.
+
+    ``read`` returns copies; ``write`` updates rows in place in the table's home tier.
+    """
+
+    def __init__(self, pool: "MemoryPool", cfg: TableConfig, region: Region, cache_rows: int):
+        self.pool = pool
+        self.config = cfg
+        self._region = region
+        self._cache = RowCache(region.tensor, cache_rows) if cache_rows else None
+
+    # -- description
+    name = property(lambda self: self.config.name)
+    num_embeddings = property(lambda self: self.config.num_embeddings)
+    embedding_dim = property(lambda self: self.config.embedding_dim)
+    dtype = property(lambda self: torch_dtype(self.config.dtype))
+
+    @property
+    def cached(self) -> bool:
+        """True when the table exceeds its DRAM budget and reads go through a row cache."""
+        return self._cache is not None
+
+    def __repr__(self) -> str:
+        return (f"Table({self.name!r}, rows={self.num_embeddings}, dim={self.embedding_dim}, "
+                f"dtype={self.config.dtype}, tier={self._region.tier}, cached={self.cached})")
+
+    def view(self) -> torch.Tensor:
+        """The live [rows, dim] tensor over the table's home memory (no copy).
+
+        Writing through it bypasses the cache, dirty tracking and the undo log: use
+        :meth:`write` unless you know why. Invalid after the pool is closed.
+        """
+        self.pool._check_open()
+        return self._region.tensor
+
+    # -- hot path (callers have validated)
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        st = self.pool.stats
+        if self._cache is None:
+            out = self._region.tensor.index_select(0, ids)
+            st.bytes_read_home += out.numel() * out.element_size()
+            return out
+        h0, m0 = self._cache.hits, self._cache.misses
+        out, b_dram, b_home = self._cache.read(ids)
+        st.cache_hits += self._cache.hits - h0
+        st.cache_misses += self._cache.misses - m0
+        st.bytes_read_dram += b_dram
+        st.bytes_read_home += b_home
+        return out
+
+    def _scatter(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        self._region.tensor.index_copy_(0, ids, values)
+        self._region.mark_dirty(ids)
+        if self._cache is not None:
+            self._cache.write_through(ids, values)
+        self.pool.stats.bytes_written += values.numel() * values.element_size()
+
+    def _pooled(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
+        if self._cache is None:
+            self.pool.stats.bytes_read_home += ids.numel() * self.config.row_bytes
+            return F.embedding_bag(ids, self._region.tensor, offsets, mode="sum",
+                                   per_sample_weights=per_sample_weights)
+        rows = self._gather(ids)
+        return F.embedding_bag(torch.arange(ids.numel()), rows, offsets, mode="sum",
+                               per_sample_weights=per_sample_weights)
+
+    # -- public API
+    def read(self, ids) -> torch.Tensor:
+        """Rows ``ids`` as a new [len(ids), dim] tensor. Duplicates are allowed."""
+        self.pool._check_open()
+        return self._gather(_validate_ids(ids, self.config))
+
+    def write(self, ids, values: torch.Tensor) -> None:
+        """Set rows ``ids`` to ``values`` in place. Ids must be distinct; nothing changes on error."""
+        self.pool._check_writable()
+        ids = _validate_ids(ids, self.config)
+        values = _validate_values(values, ids.numel(), self.config)
+        if ids.numel() and torch.unique(ids).numel() != ids.numel():
+            raise InvalidIdsError(f"table {self.name!r}: duplicate ids in write (which value wins would be arbitrary)",
+                                  hint="deduplicate ids (torch.unique) and combine their values first")
+        self._scatter(ids, values)
+
+    def lookup(self, ids, offsets) -> torch.Tensor:
+        """Sum-pooled bags: ``offsets`` [B] (start of each bag in ``ids``) -> [B, dim]."""
+        self.pool._check_open()
+        ids = _validate_ids(ids, self.config)
+        offsets = torch.as_tensor(offsets, dtype=torch.int64)
+        return self._pooled(ids, offsets)
+
+    def persist(self, ids=None) -> int:
+        """Make rows ``ids`` (default: every row written since the last persist) durable."""
+        self.pool._check_writable()
+        t0 = time.perf_counter()
+        if ids is None:
+            n = self._region.persist_all()
+        else:
+            n = self._region.persist_rows(_validate_ids(ids, self.config))
+        st = self.pool.stats
+        st.persist_calls += 1
+        st.bytes_persisted += n
+        st.persist_seconds += time.perf_counter() - t0
+        return n
+
+    def fill_(self, init: str = "uniform", *, scale: float | None = None, seed: int = 0,
+              chunk_rows: int = 1 << 18) -> None:
+        """Initialise every row: ``zeros``, or ``uniform`` in [-scale, scale] (TorchRec's
+        default scale is sqrt(1/num_embeddings)), chunk by chunk so huge tables need no
+        table-sized temporary. Deterministic in ``seed``."""
+        self.pool._check_writable()
+        t = self._region.tensor
+        if init == "zeros":
+            t.zero_()
+        elif init == "uniform":
+            s = (1.0 / self.num_embeddings) ** 0.5 if scale is None else scale
+            g = torch.Generator().manual_seed(seed)
+            for a in range(0, self.num_embeddings, chunk_rows):
+                b = min(a + chunk_rows, self.num_embeddings)
+                t[a:b] = (torch.rand(b - a, self.embedding_dim, generator=g) * (2 * s) - s).to(t.dtype)
+        else:
+            raise ValueError(f"init must be 'zeros' or 'uniform', got {init!r}")
+        self._region.mark_dirty(torch.arange(self.num_embeddings))
+        if self._cache is not None:
+            self._cache = RowCache(t, self._cache.capacity)
+
+
+# --------------------------------------------------------------------------- header
+
+
+def _header_bytes(doc: dict) -> bytes:
+    body = {k: v for k, v in doc.items() if k != "crc32"}
+    crc = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return (json.dumps({**body, "crc32": crc}, indent=1, sort_keys=True) + "\n").encode()
+
+
+def read_header(path: Path) -> dict:
+    """Parse and verify ``DIR/pool.json``; typed errors for every way it can be wrong."""
+    hp = Path(path) / HEADER
+    if not Path(path).is_dir():
+        raise PoolFormatError(f"{path} is not a pool: no such directory")
+    try:
+        raw = hp.read_bytes()
+    except FileNotFoundError:
+        raise PoolFormatError(f"{path} is not a pool: {HEADER} is missing") from None
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PoolCorruptError(f"{hp}: header is not valid JSON ({exc}): truncated or damaged") from None
+    if doc.get("magic") != MAGIC:
+        raise PoolFormatError(f"{hp}: wrong magic {doc.get('magic')!r}, expected {MAGIC!r}: not a dlrm-cxl pool")
+    body = {k: v for k, v in doc.items() if k != "crc32"}
+    crc = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    if doc.get("crc32") != crc:
+        raise PoolCorruptError(f"{hp}: header checksum mismatch (stored {doc.get('crc32')}, computed {crc})")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise PoolVersionError(
+            f"{hp}: pool format version {doc.get('format_version')}, this dlrm-cxl reads version {FORMAT_VERSION}")
+    return doc
+
+
+# --------------------------------------------------------------------------- pool
+
+
+def _resolve_tier(tier: str, path: Path) -> str:
+    if tier == "auto":
+        # Durable beats fast: a fault-tolerant trainer wants rows that survive power loss.
+        # pmem is real when the directory is on a DAX mount, emulated (msync) otherwise.
+        return "pmem"
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS + ('auto',)}, got {tier!r}")
+    return tier
+
+
+class MemoryPool:
+    """A pool of embedding tables. Create with :meth:`create`, reopen with :meth:`open`.
+
+    Use as a context manager; ``close`` releases the mappings and the writer lock. A pool
+    opened ``read_only`` takes no lock and can sit beside a writer.
+    """
+
+    def __init__(self, path: Path, header: dict, *, read_only: bool, lock_fd: int | None,
+                 dram_cache_bytes: int | None, use_libpmem: bool | None):
+        self.path = Path(path)
+        self._header = header
+        self.read_only = read_only
+        self._lock_fd = lock_fd
+        self._closed = False
+        self._use_libpmem = use_libpmem
+        self.dram_cache_bytes = dram_cache_bytes
+        self._dram_left = dram_cache_bytes
+        self.stats = PoolStats()
+        self._tables: dict[str, Table] = {}
+        self._meta_lock = threading.Lock()
+        try:
+            for t in header["tables"]:
+                cfg = TableConfig(t["name"], t["num_embeddings"], t["embedding_dim"], t["dtype"])
+                self._tables[cfg.name] = self._attach(cfg, create=False)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction
+    @classmethod
+    def create(cls, path, *, tier: str = "auto", capacity_bytes: int | None = None,
+               dram_cache_bytes: int | None = None, use_libpmem: bool | None = None,
+               meta: Mapping | None = None) -> "MemoryPool":
+        """Make a new, empty pool at directory ``path`` (created; must not hold a pool).
+
+        ``capacity_bytes``: most table bytes the pool may hold (None: only the disk limits).
+        ``dram_cache_bytes``: DRAM budget; tables beyond it are served through a row cache.
+        ``use_libpmem``: None uses libpmem when installed; False never; True requires it.
+        """
+        path = Path(path)
+        tier = _resolve_tier(tier, path)
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if dram_cache_bytes is not None and dram_cache_bytes < 0:
+            raise ValueError(f"dram_cache_bytes must be >= 0, got {dram_cache_bytes}")
+        if (path / HEADER).exists():
+            raise PoolExistsError(f"{path} already holds a pool")
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise PoolExistsError(f"{path} exists and is not an empty directory")
+        path.mkdir(parents=True, exist_ok=True)
+        pool_id = uuid.uuid4().hex
+        storage = (shm_root() / f"dlrm-cxl-{pool_id}") if tier == "shm" else path
+        (storage / "tables").mkdir(parents=True, exist_ok=True)
+        lock_fd = cls._lock(path)
+        header = {
+            "magic": MAGIC,
+            "format_version": FORMAT_VERSION,
+            "pool_id": pool_id,
+            "tier": tier,
+            "storage_dir": str(storage),
+            "capacity_bytes": capacity_bytes,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "tables": [],
+            "meta": dict(meta or {}),
+        }
+        # The header is the pool's commit marker: written last, atomically and durably.
+        atomic_write(path / HEADER, _header_bytes(header))
+        return cls(path, header, read_only=False, lock_fd=lock_fd,
+                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
+
+    @classmethod
+    def open(cls, path, *, read_only: bool = False, dram_cache_bytes: int | None = None,
+             use_libpmem: bool | None = None) -> "MemoryPool":
+        """Open an existing pool. A writer takes the lock; ``read_only`` takes none."""
+        path = Path(path)
+        header = read_header(path)
+        if header["tier"] == "dram":
+            raise PoolVolatileError(f"{path} is a dram pool: its rows lived in the process that created it")
+        if header["tier"] == "shm" and not Path(header["storage_dir"]).is_dir():
+            raise PoolVolatileError(
+                f"{path}: shm region {header['storage_dir']} is gone (the machine was restarted?)",
+                hint="shm pools survive a trainer crash, not a reboot; use --tier pmem for that")
+        lock_fd = None if read_only else cls._lock(path)
+        return cls(path, header, read_only=read_only, lock_fd=lock_fd,
+                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
+
+    @staticmethod
+    def _lock(path: Path) -> int:
+        fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # flock belongs to the open file description: the kernel drops it when the holder
+            # dies, even by SIGKILL, so a crashed writer never leaves a stale lock behind.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                holder = (path / "LOCK").read_text().strip()
+            except OSError:
+                holder = "?"
+            raise PoolLockedError(f"{path} is locked by another writer (pid {holder or '?'})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _attach(self, cfg: TableConfig, *, create: bool) -> Table:
+        tier = self.tier
+        file = None if tier == "dram" else self.storage_dir / "tables" / f"{cfg.name}.bin"
+        if not create and file is not None and not file.exists():
+            raise PoolCorruptError(f"{self.path}: table file {file} is missing")
+        region = open_region(tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype, create=create,
+                             read_only=self.read_only, use_libpmem=self._use_libpmem)
+        cache_rows = 0
+        if self._dram_left is not None:
+            # DRAM budget is handed out first come (table creation order): a table that fits
+            # what is left is served directly; a larger one gets a cache of what is left.
+            if cfg.nbytes <= self._dram_left:
+                self._dram_left -= cfg.nbytes
+            else:
+                cache_rows = max(1, self._dram_left // (cfg.row_bytes + 4))
+                self._dram_left = 0
+        return Table(self, cfg, region, cache_rows)
+
+    # -- description
+    tier = property(lambda self: self._header["tier"])
+    pool_id = property(lambda self: self._header["pool_id"])
+    storage_dir = property(lambda self: Path(self._header["storage_dir"]))
+    capacity_bytes = property(lambda self: self._header["capacity_bytes"])
+
+    @property
+    def meta(self) -> dict:
+        """Free-form metadata (the trainer keeps its model config here). Read-only view."""
+        return json.loads(json.dumps(self._header["meta"]))
+
+    @property
+    def real_pmem(self) -> bool:
+        return any(getattr(t._region, "is_pmem", False) for t in self._tables.values()) or (
+            self.tier == "pmem" and not self._tables and detect_dax(self.path) and libpmem() is not None)
+
+    @property
+    def libpmem_used(self) -> bool:
+        return self.tier == "pmem" and any(getattr(t._region, "libpmem", None) for t in self._tables.values()) or (
+            self.tier == "pmem" and not self._tables and self._use_libpmem is not False and libpmem() is not None)
+
+    @property
+    def durability(self) -> str:
+        return durability_of(self.tier, real_pmem=self.real_pmem, libpmem_used=self.libpmem_used)
+
+    def tables(self) -> list[str]:
+        return list(self._tables)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tables
+
+    def table(self, name: str) -> Table:
+        self._check_open()
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise TableNotFoundError(f"no table {name!r} in pool {self.path} (has: {', '.join(self._tables) or 'none'})") from None
+
+    def used_bytes(self) -> int:
+        return sum(t.config.nbytes for t in self._tables.values())
+
+    def describe(self) -> dict:
+        return {
+            "path": str(self.path),
+            "pool_id": self.pool_id,
+            "format_version": FORMAT_VERSION,
+            "tier": self.tier,
+            "durability": self.durability,
+            "storage_dir": str(self.storage_dir),
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes(),
+            "dram_cache_bytes": self.dram_cache_bytes,
+            "tables": [
+                {**asdict(t.config), "bytes": t.config.nbytes, "cached": t.cached,
+                 "cache_rows": t._cache.capacity if t._cache else 0}
+                for t in self._tables.values()
+            ],
+            "meta": self.meta,
+        }
+
+    # -- changes
+    def create_table(self, name: str, num_embeddings: int, embedding_dim: int, *, dtype: str = "float32",
+                     init: str = "zeros", scale: float | None = None, seed: int = 0) -> Table:
+        """Add a table. Its file is fully allocated now, so a full disk fails here (pool unchanged)."""
+        self._check_writable()
+        cfg = TableConfig(name, num_embeddings, embedding_dim, dtype)
+        _validate_table_config(cfg)
+        if name in self._tables:
+            raise TableExistsError(f"table {name!r} already exists in pool {self.path}")
+        cap = self.capacity_bytes
+        if cap is not None and self.used_bytes() + cfg.nbytes > cap:
+            raise PoolFullError(
+                f"table {name!r} needs {cfg.nbytes} bytes; pool has {cap - self.used_bytes()} of {cap} left")
+        table = self._attach(cfg, create=True)
+        try:
+            if init != "zeros":
+                table.fill_(init, scale=scale, seed=seed)
+            self._tables[name] = table
+            self._write_header()
+        except BaseException:
+            self._tables.pop(name, None)
+            table._region.close()
+            if table._region.tier != "dram":
+                try:
+                    os.unlink(table._region.path)
+                except OSError:
+                    pass
+            raise
+        return table
+
+    def set_meta(self, **items) -> None:
+        """Merge ``items`` (JSON-serialisable) into the header's meta, durably."""
+        self._check_writable()
+        with self._meta_lock:
+            meta = dict(self._header["meta"])
+            meta.update(json.loads(json.dumps(items)))
+            self._header = {**self._header, "meta": meta}
+            self._write_header()
+
+    def _write_header(self) -> None:
+        self._header["tables"] = [asdict(t.config) for t in self._tables.values()]
+        atomic_write(self.path / HEADER, _header_bytes(self._header))
+
+    def lookup(self, kjt, tables: Mapping[str, str] | None = None):
+        """Sum-pooled lookup of a TorchRec ``KeyedJaggedTensor``.
+
+        Each key is looked up in the table of the same name, or ``tables[key]``. Returns a
+        TorchRec ``KeyedTensor`` (like ``EmbeddingBagCollection``), one [B, dim] block per key.
+        """
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        self._check_open()
+        outs, dims = [], []
+        values, lengths = kjt.values(), kjt.lengths()
+        B = kjt.stride()
+        for i, key in enumerate(kjt.keys()):
+            t = self.table(tables.get(key, key) if tables else key)
+            ids = _validate_ids(values[kjt.offset_per_key()[i]:kjt.offset_per_key()[i + 1]], t.config)
+            offsets = torch.zeros(B, dtype=torch.int64)
+            torch.cumsum(lengths[i * B:(i + 1) * B][:-1], 0, out=offsets[1:])
+            outs.append(t._pooled(ids, offsets))
+            dims.append(t.embedding_dim)
+        return KeyedTensor(keys=list(kjt.keys()), length_per_key=dims, values=torch.cat(outs, dim=1))
+
+    def persist(self) -> int:
+        """Make every row written since the last persist durable (per the tier's durability)."""
+        self._check_writable()
+        return sum(t.persist() for t in self._tables.values())
+
+    # -- lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolFormatError(f"pool {self.path} is closed", hint="open it again with MemoryPool.open")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise PoolReadOnlyError(f"pool {self.path} was opened read-only")
+
+    def close(self) -> None:
+        """Release mappings and the lock. Does not persist: call :meth:`persist` first."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tables.values():
+            t._region.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> "MemoryPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MemoryPool({str(self.path)!r}, tier={self.tier}, tables={len(self._tables)})"
+
+
+def destroy_pool(path) -> None:
+    """Delete a pool directory and its shm region (if any). Takes the writer lock first."""
+    path = Path(path)
+    try:
+        header = read_header(path)
+    except PoolFormatError:
+        header = None
+    if header is not None:
+        fd = MemoryPool._lock(path)
+        try:
+            storage = Path(header.get("storage_dir", path))
+            if storage.resolve() != path.resolve() and storage.name.startswith("dlrm-cxl-"):
+                shutil.rmtree(storage, ignore_errors=True)
+        finally:
+            os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
