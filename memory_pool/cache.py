@@ -32,9 +32,21 @@ class RowCache:
         self.hits = 0
         self.misses = 0
 
+    # DRAM the cache costs: 4 bytes per table row (row->slot map) plus, per slot, the row
+    # itself, its owner row (int64) and its stamp (int64).
+    MAP_BYTES_PER_ROW = 4
+    META_BYTES_PER_SLOT = 16
+
+    @staticmethod
+    def slots_for_budget(budget_bytes: int, rows: int, row_bytes: int) -> int:
+        """Most slots whose cache (map and metadata included) fits ``budget_bytes``; 0 if none."""
+        left = budget_bytes - rows * RowCache.MAP_BYTES_PER_ROW
+        return max(0, min(rows, left // (row_bytes + RowCache.META_BYTES_PER_SLOT)))
+
     @property
     def nbytes(self) -> int:
-        return self.slots.numel() * self.slots.element_size() + self.row_slot.numel() * 4
+        return (self.slots.numel() * self.slots.element_size() + self.row_slot.numel() * self.row_slot.element_size()
+                + self.slot_row.numel() * self.slot_row.element_size() + self.stamp.numel() * self.stamp.element_size())
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """Rows for ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home)."""

@@ -27,6 +27,8 @@ __all__ = [
     "TrainingDivergedError",
     "RecoveryError",
     "PoolExistsError",
+    "ConfigMismatchError",
+    "InvalidConfigError",
 ]
 
 
@@ -142,3 +144,17 @@ class PoolExistsError(DlrmCxlError):
 
     exit_code = 2
     default_hint = "open the existing pool, choose another --pool, or pass --fresh to start over"
+
+
+class InvalidConfigError(DlrmCxlError, ValueError):
+    """A bad argument to the pool: tier, table name/shape/dtype, init, capacity, use_libpmem."""
+
+    exit_code = 2
+    default_hint = "check the arguments against the documentation of the call (or --help)"
+
+
+class ConfigMismatchError(DlrmCxlError, ValueError):
+    """Flags that change the model or data disagree with what the pool was created with."""
+
+    exit_code = 2
+    default_hint = "drop the flag to continue the pool as created, or pass --fresh to start over"

@@ -35,6 +35,7 @@ from ._fs import atomic_write
 from ._native import libpmem
 from .cache import RowCache
 from .errors import (
+    InvalidConfigError,
     InvalidIdsError,
     InvalidValuesError,
     PoolCorruptError,
@@ -48,7 +49,7 @@ from .errors import (
     TableExistsError,
     TableNotFoundError,
 )
-from .tiers import TIERS, Region, detect_dax, durability_of, open_region, shm_root, torch_dtype
+from .tiers import TIERS, Region, detect_dax, durability_of, libpmem_missing, open_region, shm_root, torch_dtype
 
 __all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION"]
 
@@ -79,17 +80,23 @@ class TableConfig:
         return self.num_embeddings * self.row_bytes
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _validate_table_config(cfg: TableConfig) -> None:
     if not isinstance(cfg.name, str) or not _NAME_RE.match(cfg.name):
-        raise ValueError(f"table name {cfg.name!r} must match {_NAME_RE.pattern}")
-    if not isinstance(cfg.num_embeddings, int) or cfg.num_embeddings < 1:
-        raise ValueError(f"num_embeddings must be a positive int, got {cfg.num_embeddings!r}")
-    if not isinstance(cfg.embedding_dim, int) or cfg.embedding_dim < 1:
-        raise ValueError(f"embedding_dim must be a positive int, got {cfg.embedding_dim!r}")
+        raise InvalidConfigError(
+            f"table name {cfg.name!r} must match {_NAME_RE.pattern}",
+            hint="use letters, digits, '_', '.' and '-' (1-128 characters, not starting with '.' or '-')")
+    if not _is_int(cfg.num_embeddings) or cfg.num_embeddings < 1:
+        raise InvalidConfigError(f"num_embeddings must be a positive int, got {cfg.num_embeddings!r}")
+    if not _is_int(cfg.embedding_dim) or cfg.embedding_dim < 1:
+        raise InvalidConfigError(f"embedding_dim must be a positive int, got {cfg.embedding_dim!r}")
     try:
         torch_dtype(cfg.dtype)
-    except KeyError:
-        raise ValueError(f"dtype must be one of float32, float16, bfloat16; got {cfg.dtype!r}") from None
+    except (KeyError, TypeError):
+        raise InvalidConfigError(f"dtype must be one of float32, float16, bfloat16; got {cfg.dtype!r}") from None
 
 
 def _validate_ids(ids, cfg: TableConfig) -> torch.Tensor:
@@ -98,6 +105,8 @@ def _validate_ids(ids, cfg: TableConfig) -> torch.Tensor:
             ids = torch.as_tensor(ids)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidIdsError(f"table {cfg.name!r}: ids are not a tensor: {exc}") from None
+        if ids.numel() == 0:
+            ids = ids.to(torch.int64)  # [] becomes a float tensor; an empty list is fine
     if ids.dtype not in (torch.int64, torch.int32):
         raise InvalidIdsError(f"table {cfg.name!r}: ids must be int64 or int32, got {ids.dtype}")
     if ids.dim() != 1:
@@ -123,6 +132,25 @@ def _validate_values(values, n: int, cfg: TableConfig) -> torch.Tensor:
     if n and not bool(torch.isfinite(values).all()):
         raise InvalidValuesError(f"table {cfg.name!r}: values contain NaN or inf")
     return values
+
+
+def _validate_offsets(offsets, n: int, cfg: TableConfig) -> torch.Tensor:
+    """Bag starts for ``n`` ids: 1-D ints, first 0, non-decreasing, none past ``n``."""
+    try:
+        offsets = torch.as_tensor(offsets)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidIdsError(f"table {cfg.name!r}: offsets are not a tensor: {exc}") from None
+    if offsets.dtype not in (torch.int64, torch.int32) or offsets.dim() != 1:
+        raise InvalidIdsError(
+            f"table {cfg.name!r}: offsets must be a 1-D int tensor, got {offsets.dtype} of shape {tuple(offsets.shape)}",
+            hint="offsets[b] is the index in ids where bag b starts: 1-D, int64, starting at 0")
+    if offsets.numel():
+        o = offsets.to(torch.int64)
+        if int(o[0]) != 0 or int(o[-1]) > n or bool((o[1:] < o[:-1]).any()):
+            raise InvalidIdsError(
+                f"table {cfg.name!r}: offsets must start at 0, never decrease and not exceed len(ids)={n}",
+                hint="offsets[b] is the index in ids where bag b starts: 1-D, int64, starting at 0")
+    return offsets.to(torch.int64)
 
 
 # --------------------------------------------------------------------------- stats
@@ -235,7 +263,7 @@ class Table:
         """Sum-pooled bags: ``offsets`` [B] (start of each bag in ``ids``) -> [B, dim]."""
         self.pool._check_open()
         ids = _validate_ids(ids, self.config)
-        offsets = torch.as_tensor(offsets, dtype=torch.int64)
+        offsets = _validate_offsets(offsets, ids.numel(), self.config)
         return self._pooled(ids, offsets)
 
     def persist(self, ids=None) -> int:
@@ -258,6 +286,7 @@ class Table:
         default scale is sqrt(1/num_embeddings)), chunk by chunk so huge tables need no
         table-sized temporary. Deterministic in ``seed``."""
         self.pool._check_writable()
+        _validate_init(init)
         t = self._region.tensor
         if init == "zeros":
             t.zero_()
@@ -267,11 +296,14 @@ class Table:
             for a in range(0, self.num_embeddings, chunk_rows):
                 b = min(a + chunk_rows, self.num_embeddings)
                 t[a:b] = (torch.rand(b - a, self.embedding_dim, generator=g) * (2 * s) - s).to(t.dtype)
-        else:
-            raise ValueError(f"init must be 'zeros' or 'uniform', got {init!r}")
         self._region.mark_dirty(torch.arange(self.num_embeddings))
         if self._cache is not None:
             self._cache = RowCache(t, self._cache.capacity)
+
+
+def _validate_init(init) -> None:
+    if init not in ("zeros", "uniform"):
+        raise InvalidConfigError(f"init must be 'zeros' or 'uniform', got {init!r}")
 
 
 # --------------------------------------------------------------------------- header
@@ -319,8 +351,21 @@ def _resolve_tier(tier: str, path: Path) -> str:
         # pmem is real when the directory is on a DAX mount, emulated (msync) otherwise.
         return "pmem"
     if tier not in TIERS:
-        raise ValueError(f"tier must be one of {TIERS + ('auto',)}, got {tier!r}")
+        raise InvalidConfigError(f"tier must be one of {TIERS + ('auto',)}, got {tier!r}")
     return tier
+
+
+def _json_copy(obj, what: str):
+    try:
+        return json.loads(json.dumps(obj, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise InvalidConfigError(f"{what}: not JSON-serialisable ({exc})",
+                                 hint="meta values must be str, int, finite float, bool, None, lists or dicts") from None
+
+
+def _check_libpmem_request(tier: str, use_libpmem: bool | None) -> None:
+    if use_libpmem is True and tier == "pmem" and libpmem() is None:
+        raise libpmem_missing()
 
 
 class MemoryPool:
@@ -364,32 +409,55 @@ class MemoryPool:
         """
         path = Path(path)
         tier = _resolve_tier(tier, path)
-        if capacity_bytes is not None and capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        if dram_cache_bytes is not None and dram_cache_bytes < 0:
-            raise ValueError(f"dram_cache_bytes must be >= 0, got {dram_cache_bytes}")
+        for name, v in (("capacity_bytes", capacity_bytes), ("dram_cache_bytes", dram_cache_bytes)):
+            if v is not None and (not _is_int(v) or v < 0):
+                raise InvalidConfigError(f"{name} must be None or an int >= 0, got {v!r}")
+        _check_libpmem_request(tier, use_libpmem)
+        meta = _json_copy(dict(meta or {}), "meta")
         if (path / HEADER).exists():
             raise PoolExistsError(f"{path} already holds a pool")
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise PoolExistsError(f"{path} exists and is not an empty directory")
+        made_dir = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
+        lock_fd = cls._lock(path)
         pool_id = uuid.uuid4().hex
         storage = (shm_root() / f"dlrm-cxl-{pool_id}") if tier == "shm" else path
-        (storage / "tables").mkdir(parents=True, exist_ok=True)
-        lock_fd = cls._lock(path)
-        header = {
-            "magic": MAGIC,
-            "format_version": FORMAT_VERSION,
-            "pool_id": pool_id,
-            "tier": tier,
-            "storage_dir": str(storage),
-            "capacity_bytes": capacity_bytes,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "tables": [],
-            "meta": dict(meta or {}),
-        }
-        # The header is the pool's commit marker: written last, atomically and durably.
-        atomic_write(path / HEADER, _header_bytes(header))
+        try:
+            if (path / HEADER).exists():  # a concurrent create won the race
+                raise PoolExistsError(f"{path} already holds a pool")
+            (storage / "tables").mkdir(parents=True, exist_ok=True)
+            header = {
+                "magic": MAGIC,
+                "format_version": FORMAT_VERSION,
+                "pool_id": pool_id,
+                "tier": tier,
+                "storage_dir": str(storage.resolve()),
+                "capacity_bytes": capacity_bytes,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "tables": [],
+                "meta": meta,
+            }
+            # The header is the pool's commit marker: written last, atomically and durably.
+            atomic_write(path / HEADER, _header_bytes(header))
+        except BaseException:
+            # Undo what this call made (we hold the lock), so that a retry finds no debris.
+            if not (path / HEADER).exists():
+                if tier == "shm":
+                    shutil.rmtree(storage, ignore_errors=True)
+                shutil.rmtree(path / "tables", ignore_errors=True)
+                for leftover in (path / f".{HEADER}.tmp", path / "LOCK"):
+                    try:
+                        leftover.unlink()
+                    except OSError:
+                        pass
+                if made_dir:
+                    try:
+                        path.rmdir()
+                    except OSError:
+                        pass
+            os.close(lock_fd)
+            raise
         return cls(path, header, read_only=False, lock_fd=lock_fd,
                    dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
 
@@ -398,7 +466,10 @@ class MemoryPool:
              use_libpmem: bool | None = None) -> "MemoryPool":
         """Open an existing pool. A writer takes the lock; ``read_only`` takes none."""
         path = Path(path)
+        if dram_cache_bytes is not None and (not _is_int(dram_cache_bytes) or dram_cache_bytes < 0):
+            raise InvalidConfigError(f"dram_cache_bytes must be None or an int >= 0, got {dram_cache_bytes!r}")
         header = read_header(path)
+        _check_libpmem_request(header["tier"], use_libpmem)
         if header["tier"] == "dram":
             raise PoolVolatileError(f"{path} is a dram pool: its rows lived in the process that created it")
         if header["tier"] == "shm" and not Path(header["storage_dir"]).is_dir():
@@ -437,18 +508,29 @@ class MemoryPool:
         cache_rows = 0
         if self._dram_left is not None:
             # DRAM budget is handed out first come (table creation order): a table that fits
-            # what is left is served directly; a larger one gets a cache of what is left.
+            # what is left is served directly; a larger one gets a cache of what is left --
+            # the cache's row map and slot metadata included, so it never exceeds the budget.
+            # A budget too small for even the map serves the table from its home, uncached.
             if cfg.nbytes <= self._dram_left:
                 self._dram_left -= cfg.nbytes
             else:
-                cache_rows = max(1, self._dram_left // (cfg.row_bytes + 4))
+                cache_rows = RowCache.slots_for_budget(self._dram_left, cfg.num_embeddings, cfg.row_bytes)
                 self._dram_left = 0
         return Table(self, cfg, region, cache_rows)
 
     # -- description
     tier = property(lambda self: self._header["tier"])
     pool_id = property(lambda self: self._header["pool_id"])
-    storage_dir = property(lambda self: Path(self._header["storage_dir"]))
+
+    @property
+    def storage_dir(self) -> Path:
+        """Where the table files (and the checkpointer's files) live: the shm region for the
+        shm tier, else the pool directory itself -- wherever it is now, so that a pool that was
+        moved, copied, or created through a relative path opens its own files."""
+        if self.tier == "shm":
+            return Path(self._header["storage_dir"])
+        return self.path
+
     capacity_bytes = property(lambda self: self._header["capacity_bytes"])
 
     @property
@@ -512,12 +594,14 @@ class MemoryPool:
         self._check_writable()
         cfg = TableConfig(name, num_embeddings, embedding_dim, dtype)
         _validate_table_config(cfg)
+        _validate_init(init)
         if name in self._tables:
             raise TableExistsError(f"table {name!r} already exists in pool {self.path}")
         cap = self.capacity_bytes
         if cap is not None and self.used_bytes() + cfg.nbytes > cap:
             raise PoolFullError(
                 f"table {name!r} needs {cfg.nbytes} bytes; pool has {cap - self.used_bytes()} of {cap} left")
+        dram_left = self._dram_left
         table = self._attach(cfg, create=True)
         try:
             if init != "zeros":
@@ -525,6 +609,7 @@ class MemoryPool:
             self._tables[name] = table
             self._write_header()
         except BaseException:
+            self._dram_left = dram_left
             self._tables.pop(name, None)
             table._region.close()
             if table._region.tier != "dram":
@@ -540,13 +625,15 @@ class MemoryPool:
         self._check_writable()
         with self._meta_lock:
             meta = dict(self._header["meta"])
-            meta.update(json.loads(json.dumps(items)))
-            self._header = {**self._header, "meta": meta}
-            self._write_header()
+            meta.update(_json_copy(items, "set_meta"))
+            self._write_header(meta=meta)
 
-    def _write_header(self) -> None:
-        self._header["tables"] = [asdict(t.config) for t in self._tables.values()]
-        atomic_write(self.path / HEADER, _header_bytes(self._header))
+    def _write_header(self, **changes) -> None:
+        """Write the header for the current tables (plus ``changes``); the in-memory header is
+        replaced only once the new one is durable, so a failed write changes nothing."""
+        header = {**self._header, **changes, "tables": [asdict(t.config) for t in self._tables.values()]}
+        atomic_write(self.path / HEADER, _header_bytes(header))
+        self._header = header
 
     def lookup(self, kjt, tables: Mapping[str, str] | None = None):
         """Sum-pooled lookup of a TorchRec ``KeyedJaggedTensor``.
@@ -557,17 +644,39 @@ class MemoryPool:
         from torchrec.sparse.jagged_tensor import KeyedTensor
 
         self._check_open()
-        outs, dims = [], []
+        keys = list(kjt.keys())
+        tabs = [self.table(tables.get(k, k) if tables else k) for k in keys]
         values, lengths = kjt.values(), kjt.lengths()
-        B = kjt.stride()
-        for i, key in enumerate(kjt.keys()):
-            t = self.table(tables.get(key, key) if tables else key)
-            ids = _validate_ids(values[kjt.offset_per_key()[i]:kjt.offset_per_key()[i + 1]], t.config)
-            offsets = torch.zeros(B, dtype=torch.int64)
-            torch.cumsum(lengths[i * B:(i + 1) * B][:-1], 0, out=offsets[1:])
-            outs.append(t._pooled(ids, offsets))
-            dims.append(t.embedding_dim)
-        return KeyedTensor(keys=list(kjt.keys()), length_per_key=dims, values=torch.cat(outs, dim=1))
+        B, K = kjt.stride(), len(keys)
+        if lengths.numel() != B * K:
+            raise InvalidIdsError(f"lookup: KeyedJaggedTensor has {lengths.numel()} lengths, expected "
+                                  f"{K} keys x batch {B}", hint="variable batch size per key is not supported")
+        # Offsets of every bag of every key in one pass: cum[j] = start of bag j in values.
+        cum = torch.zeros(B * K + 1, dtype=torch.int64)
+        torch.cumsum(lengths.to(torch.int64), 0, out=cum[1:])
+        key_start = cum[::B] if B else torch.zeros(K + 1, dtype=torch.int64)
+        bounds = key_start.tolist()  # K + 1 entries
+        if bounds[-1] != values.numel():
+            raise InvalidIdsError(f"lookup: lengths sum to {bounds[-1]} but there are {values.numel()} values")
+        bag_starts = (cum[:-1].view(K, B) - key_start[:-1, None]) if B else torch.zeros(K, 0, dtype=torch.int64)
+        # Validate every id at once against its table's size; on failure, the per-key check
+        # names the key and the id.
+        if values.dtype not in (torch.int64, torch.int32) or values.dim() != 1:
+            raise InvalidIdsError(f"lookup: ids must be 1-D int64 or int32, got {values.dtype} {tuple(values.shape)}")
+        values = values.to(torch.int64)
+        if values.numel():
+            sizes = [t.num_embeddings for t in tabs]
+            lo, hi = torch.aminmax(values)
+            ok = int(lo) >= 0 and int(hi) < min(sizes)
+            if not ok and int(lo) >= 0 and min(sizes) != max(sizes):
+                limit = torch.repeat_interleave(torch.tensor(sizes), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1]))
+                ok = not bool((values >= limit).any())
+            if not ok:
+                for i, t in enumerate(tabs):
+                    _validate_ids(values[bounds[i]:bounds[i + 1]], t.config)
+        outs = [t._pooled(values[bounds[i]:bounds[i + 1]], bag_starts[i]) for i, t in enumerate(tabs)]
+        dims = [t.embedding_dim for t in tabs]
+        return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(outs, dim=1))
 
     def persist(self) -> int:
         """Make every row written since the last persist durable (per the tier's durability)."""
@@ -595,6 +704,13 @@ class MemoryPool:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
+    def __del__(self) -> None:
+        # A pool dropped without close() must not keep its writer lock for the life of the process.
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def __enter__(self) -> "MemoryPool":
         return self
 
@@ -615,8 +731,11 @@ def destroy_pool(path) -> None:
     if header is not None:
         fd = MemoryPool._lock(path)
         try:
+            # Only an shm pool has files outside its directory, in its own region named after
+            # its id; the storage_dir of other tiers is where the pool was created, which for a
+            # copied or moved pool is another pool's directory and must not be touched.
             storage = Path(header.get("storage_dir", path))
-            if storage.resolve() != path.resolve() and storage.name.startswith("dlrm-cxl-"):
+            if header.get("tier") == "shm" and storage.name == f"dlrm-cxl-{header.get('pool_id')}":
                 shutil.rmtree(storage, ignore_errors=True)
         finally:
             os.close(fd)

@@ -29,6 +29,7 @@ import torch
 
 from ._fs import raise_if_full
 from ._native import libpmem, msync_range
+from .errors import InvalidConfigError, PoolCorruptError
 
 __all__ = ["TIERS", "Region", "open_region", "shm_root", "detect_dax", "durability_of"]
 
@@ -135,8 +136,6 @@ class _FileRegion(Region):
                     raise_if_full(exc, f"allocating {self.nbytes} bytes for {self.path}")
             size = os.fstat(self.fd).st_size
             if size != self.nbytes:
-                from .errors import PoolCorruptError
-
                 raise PoolCorruptError(
                     f"table file {self.path} has {size} bytes, expected {self.nbytes} "
                     f"({rows} rows x {self.row_bytes} bytes): truncated or foreign file")
@@ -150,7 +149,11 @@ class _FileRegion(Region):
                 except OSError:
                     pass
             raise
-        self.tensor = torch.frombuffer(self.mm, dtype=_DTYPES[dtype]).view(rows, dim)
+        # Through a memoryview: the tensor (and every view of it) then holds a buffer export of
+        # the mapping, so close() cannot unmap memory a caller still references (a tensor from
+        # Table.view() used after pool.close() would otherwise read unmapped memory: SIGSEGV).
+        # The mapping then goes when the last such tensor does.
+        self.tensor = torch.frombuffer(memoryview(self.mm), dtype=_DTYPES[dtype]).view(rows, dim)
         self.addr = self.tensor.data_ptr()
 
     def _row_runs(self, ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -175,6 +178,7 @@ class _FileRegion(Region):
             pass  # a caller still holds a view; the mapping goes when it does
         except AttributeError:
             pass
+        self.mm = None
         try:
             os.close(self.fd)
         except OSError:
@@ -186,11 +190,12 @@ class SharedFileRegion(_FileRegion):
 
     def __init__(self, path, rows, dim, dtype, *, tier: str, create: bool, read_only: bool,
                  use_libpmem: bool | None = None):
-        super().__init__(path, rows, dim, dtype, create=create, read_only=read_only)
-        self.tier = tier
+        # Checked before the file is created, so that this error leaves no table file behind.
         lib = libpmem() if use_libpmem is not False else None
         if use_libpmem is True and lib is None:
-            raise RuntimeError("use_libpmem=True but libpmem is not installed (apt-get install libpmem1)")
+            raise libpmem_missing()
+        super().__init__(path, rows, dim, dtype, create=create, read_only=read_only)
+        self.tier = tier
         self.libpmem = lib if tier == "pmem" else None
         self.is_pmem = bool(self.libpmem and self.libpmem.is_pmem(self.addr, self.nbytes))
 
@@ -252,7 +257,11 @@ class PowerSimRegion(_FileRegion):
             return 0
         with self._lock:
             self._dirty[ids] = False
-        return self._write_runs(self._row_runs(ids))
+        try:
+            return self._write_runs(self._row_runs(ids))
+        except BaseException:
+            self.mark_dirty(ids)  # not durable after all: a later persist() must retry them
+            raise
 
     def persist_all(self):
         if self.read_only:
@@ -260,7 +269,17 @@ class PowerSimRegion(_FileRegion):
         with self._lock:
             dirty = torch.nonzero(self._dirty).flatten()
             self._dirty.zero_()
-        return self._write_runs(self._row_runs(dirty))
+        try:
+            return self._write_runs(self._row_runs(dirty))
+        except BaseException:
+            self.mark_dirty(dirty)
+            raise
+
+
+def libpmem_missing() -> InvalidConfigError:
+    return InvalidConfigError(
+        "use_libpmem=True but libpmem is not available (not installed, or DLRM_CXL_NO_LIBPMEM=1)",
+        hint="apt-get install libpmem1, or pass use_libpmem=None to fall back to msync")
 
 
 def open_region(tier: str, path: Path | None, rows: int, dim: int, dtype: str, *, create: bool,
@@ -272,4 +291,4 @@ def open_region(tier: str, path: Path | None, rows: int, dim: int, dtype: str, *
                                 use_libpmem=use_libpmem)
     if tier == "power-sim":
         return PowerSimRegion(path, rows, dim, dtype, create=create, read_only=read_only)
-    raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS + ('auto',)}")
+    raise InvalidConfigError(f"unknown tier {tier!r}; expected one of {TIERS + ('auto',)}")

@@ -1,0 +1,90 @@
+"""The checkpointer interface the trainer drives, and what every implementation reports.
+
+Call order for step ``k`` (each once, in this order — after torch.distributed.checkpoint's
+``StorageWriter`` style of stating the protocol where it is declared)::
+
+    begin_step(k)                   # a new step; arms crash injection
+    log_before_image(touched)       # old values of exactly the rows step k will change
+                                    #   (may return before they are durable)
+    ... forward / backward ...      # compute overlaps the log write
+    persist()                       # barrier: the before-images of step k are durable
+    update(fn)                      # fn() changes the rows in place
+    commit(k)                       # step k is done; may snapshot dense state (async)
+
+or, py-lmdb style, ``with ckpt.step(k) as s:`` — leaving the block commits; an exception rolls
+the step's rows back to their before-images (in memory) and re-raises.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+__all__ = ["Checkpointer", "CheckpointStats", "Touched"]
+
+Touched = Sequence[tuple["object", torch.Tensor]]  # (memory_pool.Table, rows)
+
+
+@dataclass
+class CheckpointStats:
+    steps: int = 0
+    critical_seconds: float = 0.0      # main-thread time spent on checkpointing
+    log_wait_seconds: float = 0.0      # part of it: waiting for the undo log to be durable
+    log_bytes: int = 0                 # undo-log payload made durable
+    dense_bytes: int = 0               # dense snapshots made durable
+    table_bytes_persisted: int = 0     # rows persisted at checkpoints
+    checkpoints: int = 0               # durable commit records written
+    last_commit_step: int = 0
+    max_commit_lag: int = 0            # most steps between a step and a durable commit at or after it
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        n = max(self.steps, 1)
+        d["critical_ms_per_step"] = 1e3 * self.critical_seconds / n
+        d["bytes_durable_per_step"] = (self.log_bytes + self.dense_bytes + self.table_bytes_persisted) / n
+        return d
+
+
+class Checkpointer(abc.ABC):
+    """See the module docstring for the call order."""
+
+    name = "abstract"
+    stats: CheckpointStats
+
+    @abc.abstractmethod
+    def begin_step(self, step: int) -> None: ...
+
+    @abc.abstractmethod
+    def log_before_image(self, touched: Touched) -> None: ...
+
+    @abc.abstractmethod
+    def persist(self) -> None: ...
+
+    @abc.abstractmethod
+    def update(self, fn: Callable[[], None]) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self, step: int, *, final: bool = False) -> None: ...
+
+    def abort(self) -> None:
+        """The step failed before ``commit``: undo whatever ``update`` changed (in memory)."""
+
+    def hit(self, phase: str) -> None:
+        """Crash-injection point inside a step (no-op unless a crash is planned here)."""
+
+    def close(self) -> None:
+        """Wait for background work; after this every committed step is durable."""
+
+    @contextlib.contextmanager
+    def step(self, k: int, *, final: bool = False) -> Iterator["Checkpointer"]:
+        self.begin_step(k)
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        self.commit(k, final=final)

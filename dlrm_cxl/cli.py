@@ -1,0 +1,395 @@
+"""The ``dlrm-cxl`` command line. ``main(argv) -> int``; never calls sys.exit itself.
+
+Exit codes: 0 ok; 1 unexpected error; 2 bad arguments or input; 3 not a pool / wrong version /
+volatile pool gone; 4 damage that recovery cannot repair (nothing was changed); 5 pool locked by
+another writer; 6 pool or disk full; 7 malformed data; 8 training diverged (NaN/inf loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+__all__ = ["main", "build_parser", "model_config_from_args"]
+
+DEFAULT_POOL = "runs/pool"
+
+
+def _size(text: str) -> int:
+    """'512M', '8G', '1000' -> bytes."""
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if t and t[-1] in mult:
+            return int(float(t[:-1]) * mult[t[-1]])
+        if t.endswith("B"):
+            return _size(t[:-1])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 512M, 8G)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from checkpointing.crash import PHASES, RECOVERY_PHASES
+    from memory_pool.tiers import TIERS
+
+    from .model import PRESETS
+
+    p = argparse.ArgumentParser(prog="dlrm-cxl", description=(
+        "Fault-tolerant DLRM training with embedding tables in a tiered, persistent memory pool."))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train (or continue training) a model in a pool")
+    t.add_argument("--pool", default=DEFAULT_POOL, help=f"pool directory (default {DEFAULT_POOL})")
+    t.add_argument("--preset", choices=sorted(PRESETS), help="model size for a new pool (default small)")
+    t.add_argument("--config", type=Path, help="JSON file of ModelConfig fields overriding the preset")
+    t.add_argument("--data", default="synthetic", help="synthetic | FILE.tsv (Criteo) | DIR.zarr")
+    t.add_argument("--eval-data", help="data for --eval-every (default: held-out synthetic, or --data)")
+    t.add_argument("--steps", type=int, default=100, help="step to reach in total (default 100)")
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--embedding-dim", type=int, help="embedding dim (also the bottom MLP's last layer)")
+    t.add_argument("--max-rows", type=int, help="cap every table at this many rows")
+    t.add_argument("--lr", type=float, help="embedding learning rate")
+    t.add_argument("--dense-lr", type=float, help="dense (MLP) learning rate")
+    t.add_argument("--dense-optimizer", choices=["sgd", "adagrad", "adam"])
+    t.add_argument("--embedding-optimizer", choices=["sgd", "rowwise_adagrad"])
+    t.add_argument("--tier", default="auto", choices=list(TIERS) + ["auto"], help="tier of a new pool")
+    t.add_argument("--capacity", type=_size, help="most bytes of tables the new pool may hold")
+    t.add_argument("--dram-cache", type=_size, help="DRAM budget; larger tables get a row cache")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, help="torch intra-op threads (fix it for bit-exact runs)")
+    t.add_argument("--device", default="cpu", help="cpu | cuda (dense part on the GPU)")
+    t.add_argument("--eval-every", type=int, default=0)
+    t.add_argument("--eval-batches", type=int, default=4)
+    t.add_argument("--checkpoint", choices=["undo", "none"], default="undo")
+    t.add_argument("--dense-every", type=int, default=1, help="dense snapshot (recovery point) every N steps")
+    t.add_argument("--crash-at", metavar="STEP:PHASE",
+                   help=f"SIGKILL this process at STEP in PHASE ({', '.join(PHASES)})")
+    t.add_argument("--zipf-alpha", type=float, default=1.05, help="skew of synthetic ids (0: uniform)")
+    t.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed data lines")
+    t.add_argument("--fresh", action="store_true", help="delete the pool first and start over")
+    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    r = sub.add_parser("recover", help="roll a crashed pool back to its newest recovery point")
+    r.add_argument("--pool", default=DEFAULT_POOL)
+    r.add_argument("--dry-run", action="store_true", help="verify and report; change nothing")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--crash-at", choices=RECOVERY_PHASES, help=argparse.SUPPRESS)
+
+    i = sub.add_parser("inspect", help="describe a pool: tables, tier, step, state digest")
+    i.add_argument("--pool", default=DEFAULT_POOL)
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--no-digest", action="store_true", help="skip the state digest (reads every row)")
+
+    e = sub.add_parser("eval", help="AUC and log loss of the pool's model on data")
+    e.add_argument("--pool", default=DEFAULT_POOL)
+    e.add_argument("--data", default=None, help="default: held-out synthetic data, or the training file")
+    e.add_argument("--batches", type=int, default=8)
+    e.add_argument("--json", action="store_true")
+
+    x = sub.add_parser("export", help="write a TorchRec DLRM state_dict (torch.save)")
+    x.add_argument("--pool", default=DEFAULT_POOL)
+    x.add_argument("--out", required=True, type=Path)
+
+    m = sub.add_parser("import", help="create a pool from a TorchRec DLRM state_dict")
+    m.add_argument("--pool", required=True)
+    m.add_argument("--state", required=True, type=Path, help="file written by torch.save(dlrm.state_dict())")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    m.add_argument("--config", type=Path)
+    m.add_argument("--tier", default="auto", choices=list(TIERS) + ["auto"])
+
+    d = sub.add_parser("data", help="data tools")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    c = dsub.add_parser("convert", help="Criteo TSV -> preprocessed, chunked, compressed zarr")
+    c.add_argument("input", type=Path)
+    c.add_argument("output", type=Path)
+    c.add_argument("--preset", choices=sorted(PRESETS), default="small", help="table sizes to hash into")
+    c.add_argument("--config", type=Path)
+    c.add_argument("--max-rows", type=int)
+    c.add_argument("--chunk-rows", type=int, default=65536)
+    c.add_argument("--skip-bad-lines", action="store_true")
+    return p
+
+
+_MODEL_FLAGS = ("config", "batch_size", "embedding_dim", "max_rows", "lr", "dense_lr", "dense_optimizer",
+                "embedding_optimizer")
+
+
+def model_config_from_args(args, *, default_preset: str | None = "small"):
+    """The ModelConfig the flags ask for, or None when they ask for nothing (use the pool's)."""
+    from .model import PRESETS, EmbeddingOptimizerConfig, ModelConfig, validate_model_config
+
+    given = [f for f in _MODEL_FLAGS if getattr(args, f, None) is not None]
+    if getattr(args, "preset", None) is None and not given:
+        if default_preset is None:
+            return None
+        preset = default_preset
+    else:
+        preset = getattr(args, "preset", None) or "small"
+    cfg = PRESETS[preset]
+    if getattr(args, "config", None) is not None:
+        try:
+            doc = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--config {args.config}: {exc}") from None
+        base = cfg.to_dict()
+        base.update(doc)
+        cfg = ModelConfig.from_dict(base)
+    if getattr(args, "max_rows", None) is not None:
+        cfg = replace(cfg, num_embeddings=tuple(min(n, args.max_rows) for n in cfg.num_embeddings))
+    if getattr(args, "batch_size", None) is not None:
+        cfg = replace(cfg, batch_size=args.batch_size)
+    if getattr(args, "embedding_dim", None) is not None:
+        cfg = replace(cfg, embedding_dim=args.embedding_dim, bottom_mlp=cfg.bottom_mlp[:-1] + (args.embedding_dim,))
+    if getattr(args, "dense_lr", None) is not None:
+        cfg = replace(cfg, dense_lr=args.dense_lr)
+    if getattr(args, "dense_optimizer", None) is not None:
+        cfg = replace(cfg, dense_optimizer=args.dense_optimizer)
+    eo = cfg.embedding_optimizer
+    if getattr(args, "lr", None) is not None:
+        eo = replace(eo, lr=args.lr)
+    if getattr(args, "embedding_optimizer", None) is not None:
+        eo = replace(eo, kind=args.embedding_optimizer)
+    cfg = replace(cfg, embedding_optimizer=eo)
+    validate_model_config(cfg)
+    return cfg
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def _cmd_train(args) -> int:
+    from checkpointing import parse_crash_at
+
+    from .trainer import Trainer, TrainOptions
+
+    pool_exists = (Path(args.pool) / "pool.json").exists() and not args.fresh
+    cfg = model_config_from_args(args, default_preset=None if pool_exists else "small")
+    opts = TrainOptions(
+        pool=args.pool, steps=args.steps, data=args.data, seed=args.seed, tier=args.tier, device=args.device,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, eval_data=args.eval_data,
+        checkpoint=args.checkpoint, dense_every=args.dense_every,
+        crash_at=parse_crash_at(args.crash_at) if args.crash_at else None, threads=args.threads,
+        skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
+        fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
+    trainer = Trainer(opts, cfg, log=log)
+    try:
+        summary = trainer.run()
+        digest = trainer.digest()
+    finally:
+        trainer.close()
+    d = summary.as_dict()
+    d["state_digest"] = digest
+    if args.json:
+        _print_json(d)
+        return 0
+    ck = summary.checkpoint
+    print(f"done: step {summary.end_step} ({summary.steps_run} steps this run, {summary.samples} samples "
+          f"in {summary.seconds:.1f} s, {summary.samples_per_s:,.0f} samples/s)")
+    if summary.final_loss is not None:
+        print(f"loss (mean of last 10 steps): {summary.final_loss:.4f}")
+    if summary.epochs:
+        print(f"data: the file was read {summary.epochs} time(s) from the start (epochs wrapped)")
+    print(f"checkpoint {args.checkpoint}: {ck['critical_ms_per_step']:.2f} ms/step on the critical path, "
+          f"{ck['bytes_durable_per_step'] / 1e6:.2f} MB made durable per step, {ck['checkpoints']} recovery "
+          f"points, newest at step {ck['last_commit_step']}")
+    for ev in summary.eval:
+        print(f"eval at step {ev['step']}: auc {ev['auc']:.4f}, logloss {ev['logloss']:.4f}")
+    print(f"state_digest {digest}")
+    return 0
+
+
+def _cmd_recover(args) -> int:
+    from checkpointing import recover
+
+    rep = recover(args.pool, dry_run=args.dry_run, crash_phase=args.crash_at)
+    if args.json:
+        _print_json(rep.as_dict())
+        return 0
+    for a in rep.actions:
+        print(a)
+    if rep.committed_step is None:
+        print("pool holds no training state")
+    else:
+        verb = "would be" if args.dry_run and rep.needed else "is"
+        print(f"pool {verb} consistent at step {rep.committed_step}: {rep.rows_restored} rows restored "
+              f"from {len(rep.rolled_back_steps)} uncommitted steps in {rep.seconds * 1e3:.1f} ms")
+    if rep.state_digest:
+        print(f"state_digest {rep.state_digest}")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from checkpointing import checkpoint_status, read_dense, state_digest
+    from checkpointing.store import ckpt_dir
+    from memory_pool import MemoryPool
+
+    with MemoryPool.open(args.pool, read_only=True) as pool:
+        info = pool.describe()
+        status = checkpoint_status(pool)
+        info["checkpoint"] = status
+        info["step"] = status["committed_step"]
+        info["state_digest"] = None
+        if not args.no_digest and status["committed_step"] is not None and not status["needs_recovery"]:
+            d = ckpt_dir(pool.storage_dir)
+            info["state_digest"] = state_digest(pool, read_dense(d / status["dense_file"]))
+    if args.json:
+        _print_json(info)
+        return 0
+    print(f"pool {info['path']}  (id {info['pool_id']}, format v{info['format_version']})")
+    print(f"tier {info['tier']}: {info['durability']}")
+    print(f"tables: {len(info['tables'])}, {info['used_bytes'] / 1e6:.1f} MB"
+          + (f" of {info['capacity_bytes'] / 1e6:.1f} MB capacity" if info["capacity_bytes"] else ""))
+    for t in info["tables"]:
+        print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}"
+              + ("  (row cache)" if t["cached"] else ""))
+    print(f"step reached (committed): {status['committed_step']}")
+    if status["needs_recovery"]:
+        print(f"needs recovery: uncommitted steps {status['steps_to_roll_back']}"
+              + (f"; damage: {status['damaged']}" if status["damaged"] else "")
+              + ("; trained with --checkpoint none and interrupted" if status["trained_without_undo"] else ""))
+    if info["state_digest"]:
+        print(f"state_digest {info['state_digest']}")
+    return 0
+
+
+def _open_model(pool_path, read_only=True):
+    from checkpointing import read_commit, read_dense
+    from checkpointing.store import ckpt_dir
+    from memory_pool import MemoryPool, PoolFormatError
+
+    from .model import ModelConfig, PoolDLRM
+
+    pool = MemoryPool.open(pool_path, read_only=read_only)
+    try:
+        if "model" not in pool.meta:
+            raise PoolFormatError(f"{pool_path} holds no model (no trainer state)")
+        cfg = ModelConfig.from_dict(pool.meta["model"])
+        model = PoolDLRM(cfg, pool)
+        commit = read_commit(ckpt_dir(pool.storage_dir))
+        if commit is not None:
+            state = read_dense(ckpt_dir(pool.storage_dir) / commit["dense_file"], commit["dense_crc32"])
+            model.load_state_dict(state["model"])
+    except BaseException:
+        pool.close()
+        raise
+    return pool, cfg, model
+
+
+def _cmd_eval(args) -> int:
+    from .data import SyntheticData, make_data_source
+    from .trainer import EVAL_SEED_OFFSET, data_spec, evaluate
+
+    if args.batches < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches}")
+    pool, cfg, model = _open_model(args.pool)
+    try:
+        meta = pool.meta
+        data = args.data or meta.get("data", "synthetic")
+        spec = data_spec(cfg)
+        if data == "synthetic":
+            source = SyntheticData(spec, seed=meta.get("seed", 0) + EVAL_SEED_OFFSET)
+        else:
+            source = make_data_source(data, spec)
+        res = evaluate(model, source, args.batches)
+    finally:
+        pool.close()
+    if args.json:
+        _print_json(res)
+    else:
+        print(f"eval on {data}: auc {res['auc']:.4f}, logloss {res['logloss']:.4f} over {res['samples']} samples")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    import torch
+
+    from memory_pool._fs import atomic_write
+
+    pool, cfg, model = _open_model(args.pool)
+    try:
+        import io
+
+        buf = io.BytesIO()
+        torch.save(model.export_torchrec(), buf)
+        atomic_write(args.out, buf.getvalue())
+    finally:
+        pool.close()
+    print(f"wrote TorchRec DLRM state_dict ({len(cfg.feature_names)} tables) to {args.out}")
+    return 0
+
+
+def _cmd_import(args) -> int:
+    import torch
+
+    from checkpointing import UndoLogCheckpointer
+    from memory_pool import MemoryPool, destroy_pool
+
+    from .model import PoolDLRM
+    from .trainer import _create_tables, build_dense_optimizer
+
+    cfg = model_config_from_args(args)
+    state = torch.load(args.state, weights_only=True)
+    pool = MemoryPool.create(args.pool, tier=args.tier)
+    try:
+        _create_tables(pool, cfg, 0)
+        model = PoolDLRM(cfg, pool)
+        model.import_torchrec(state)
+        pool.set_meta(model=cfg.to_dict(), seed=0, data="synthetic", kind="dlrm-cxl-trainer")
+        opt = build_dense_optimizer(cfg, model.parameters())
+        ck = UndoLogCheckpointer(pool, lambda s: {"step": s, "model": model.state_dict(),
+                                                  "optimizer": opt.state_dict(), "data_position": None,
+                                                  "rng": {"torch": torch.get_rng_state(),
+                                                          "python": __import__("random").getstate(),
+                                                          "numpy": __import__("numpy").random.get_state()}})
+        ck.checkpoint_now(0)
+        ck.close()
+    except BaseException:
+        pool.close()
+        destroy_pool(args.pool)
+        raise
+    pool.close()
+    print(f"imported {args.state} into a new pool at {args.pool} (step 0)")
+    return 0
+
+
+def _cmd_data(args) -> int:
+    from .data import convert_tsv_to_zarr
+    from .trainer import data_spec
+
+    cfg = model_config_from_args(args)
+    stats = convert_tsv_to_zarr(args.input, args.output, data_spec(cfg), chunk_rows=args.chunk_rows,
+                                skip_bad_lines=args.skip_bad_lines)
+    print(json.dumps(stats, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from memory_pool.errors import DlrmCxlError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse reports usage errors by exiting; keep main() a function
+        return int(exc.code or 0)
+    handlers = {"train": _cmd_train, "recover": _cmd_recover, "inspect": _cmd_inspect, "eval": _cmd_eval,
+                "export": _cmd_export, "import": _cmd_import, "data": _cmd_data}
+    try:
+        return handlers[args.command](args)
+    except DlrmCxlError as exc:
+        print(f"dlrm-cxl {args.command}: error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+    except ValueError as exc:
+        print(f"dlrm-cxl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dlrm-cxl {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,343 @@
+"""DLRM whose embedding tables live in a :mod:`memory_pool` pool.
+
+The dense parts are TorchRec's own modules (``DenseArch``, ``InteractionArch``, ``OverArch``
+from ``torchrec.models.dlrm``), so with identical weights the forward pass is TorchRec's
+``DLRM`` and a state_dict maps 1:1. Only the sparse arch differs: lookups read the pool, and
+the backward pass does not build a gradient the size of a table. Instead the pooled embeddings
+are autograd leaves; after ``loss.backward()`` their gradients are scattered to exactly the
+touched rows, and :class:`SparseOptimizer` updates those rows (and their optimizer state, which
+is also a pool table) in place.
+
+One training step, as the trainer drives it::
+
+    plan = model.plan(batch.sparse)            # validate ids; unique rows per table
+    touched = optimizer.touched(plan)          # (table, rows) about to change: the undo log's input
+    logits, pooled = model(batch.dense, plan)  # forward; pooled is a leaf [B, F, D]
+    loss.backward()
+    updates = optimizer.compute(plan, pooled.grad)   # new rows, nothing written yet
+    optimizer.apply(updates)                   # in-place writes (after the undo log is durable)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
+
+import torch
+from torch import nn
+from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from memory_pool import InvalidIdsError, MemoryPool, Table
+
+__all__ = [
+    "ModelConfig",
+    "EmbeddingOptimizerConfig",
+    "PRESETS",
+    "KAGGLE_CARDINALITIES",
+    "PoolDLRM",
+    "SparsePlan",
+    "SparseOptimizer",
+    "state_table_name",
+    "to_torchrec_state_dict",
+    "torchrec_dlrm",
+]
+
+# Rows of the 26 categorical features of Criteo Kaggle (Display Advertising Challenge), as in
+# the DLRM reference and TorchRec's examples: 33,762,577 rows in all.
+KAGGLE_CARDINALITIES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+    5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+CRITEO_FEATURES = tuple(f"cat_{i}" for i in range(26))
+
+
+@dataclass(frozen=True)
+class EmbeddingOptimizerConfig:
+    """Optimizer of the embedding rows. ``rowwise_adagrad`` as fbgemm's EXACT_ROWWISE_ADAGRAD:
+    ``m += mean(g*g)``; ``w -= lr * g / (sqrt(m) + eps)``, with one ``m`` per row."""
+
+    kind: str = "rowwise_adagrad"  # or "sgd"
+    lr: float = 0.05
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of the model; presets below. Frozen: the objects that own memory are separate."""
+
+    feature_names: tuple[str, ...]
+    num_embeddings: tuple[int, ...]
+    embedding_dim: int
+    num_dense: int = 13
+    bottom_mlp: tuple[int, ...] = (512, 256, 64)
+    top_mlp: tuple[int, ...] = (512, 256, 1)
+    batch_size: int = 2048
+    dense_optimizer: str = "adagrad"  # sgd | adagrad | adam
+    dense_lr: float = 0.01
+    embedding_optimizer: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["embedding_optimizer"] = EmbeddingOptimizerConfig(**d.get("embedding_optimizer", {}))
+        for k in ("feature_names", "num_embeddings", "bottom_mlp", "top_mlp"):
+            d[k] = tuple(d[k])
+        cfg = cls(**d)
+        validate_model_config(cfg)
+        return cfg
+
+    @property
+    def table_bytes(self) -> int:
+        state = 1 if self.embedding_optimizer.kind == "rowwise_adagrad" else 0
+        return sum(self.num_embeddings) * (self.embedding_dim + state) * 4
+
+
+def validate_model_config(cfg: ModelConfig) -> None:
+    if len(cfg.feature_names) != len(cfg.num_embeddings) or not cfg.feature_names:
+        raise ValueError(f"need one num_embeddings per feature: {len(cfg.feature_names)} features, "
+                         f"{len(cfg.num_embeddings)} sizes")
+    if len(set(cfg.feature_names)) != len(cfg.feature_names):
+        raise ValueError(f"duplicate feature names in {cfg.feature_names}")
+    if any(n < 1 for n in cfg.num_embeddings):
+        raise ValueError(f"num_embeddings must be >= 1, got {cfg.num_embeddings}")
+    if cfg.embedding_dim < 1 or cfg.num_dense < 1 or cfg.batch_size < 1:
+        raise ValueError(f"embedding_dim, num_dense, batch_size must be >= 1: {cfg.embedding_dim}, "
+                         f"{cfg.num_dense}, {cfg.batch_size}")
+    if not cfg.bottom_mlp or cfg.bottom_mlp[-1] != cfg.embedding_dim:
+        raise ValueError(f"bottom_mlp must end in embedding_dim={cfg.embedding_dim}, got {cfg.bottom_mlp}")
+    if len(cfg.top_mlp) < 2 or cfg.top_mlp[-1] != 1:
+        raise ValueError(f"top_mlp needs >= 2 layers ending in 1, got {cfg.top_mlp}")
+    if cfg.dense_optimizer not in ("sgd", "adagrad", "adam"):
+        raise ValueError(f"dense_optimizer must be sgd, adagrad or adam, got {cfg.dense_optimizer!r}")
+    if cfg.embedding_optimizer.kind not in ("sgd", "rowwise_adagrad"):
+        raise ValueError(f"embedding optimizer must be sgd or rowwise_adagrad, got {cfg.embedding_optimizer.kind!r}")
+    for name, lr in (("dense_lr", cfg.dense_lr), ("embedding lr", cfg.embedding_optimizer.lr)):
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"{name} must be a positive finite number, got {lr}")
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Seconds on a laptop; what the tests use. Same 26 features as Criteo, tiny tables.
+    "tiny": ModelConfig(CRITEO_FEATURES, tuple(min(c, 1000) for c in KAGGLE_CARDINALITIES), 8,
+                        bottom_mlp=(32, 8), top_mlp=(32, 1), batch_size=64),
+    # The BRIEF's anchor: Kaggle cardinalities capped at 100k rows, dim 64.
+    "small": ModelConfig(CRITEO_FEATURES, tuple(min(c, 100_000) for c in KAGGLE_CARDINALITIES), 64),
+    # Full Criteo Kaggle: 33.8M rows, ~8.7 GB of fp32 at dim 64 (+ 135 MB of Adagrad state).
+    "kaggle": ModelConfig(CRITEO_FEATURES, KAGGLE_CARDINALITIES, 64),
+}
+
+
+def state_table_name(table: str) -> str:
+    """Pool table holding the row-wise Adagrad accumulator of ``table``."""
+    return f"{table}.adagrad"
+
+
+# --------------------------------------------------------------------------- sparse plan
+
+
+@dataclass
+class SparsePlan:
+    """Per feature: the batch's ids, bag offsets, and the distinct rows they touch."""
+
+    batch_size: int
+    ids: list[torch.Tensor]        # [n_f] int64
+    offsets: list[torch.Tensor]    # [B] int64
+    bag_of_id: list[torch.Tensor | None]  # [n_f] sample of each id (None: one id per sample)
+    rows: list[torch.Tensor]       # [u_f] sorted distinct rows
+    inverse: list[torch.Tensor]    # [n_f] index into rows
+
+
+# --------------------------------------------------------------------------- model
+
+
+class PoolDLRM(nn.Module):
+    """TorchRec's DLRM with the sparse arch served by a memory pool.
+
+    Parameters are only the dense ones; the tables are ``pool.table(feature)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, pool: MemoryPool, dense_device: torch.device | str = "cpu"):
+        super().__init__()
+        validate_model_config(cfg)
+        self.cfg = cfg
+        self.tables: list[Table] = [pool.table(n) for n in cfg.feature_names]
+        for t, n in zip(self.tables, cfg.num_embeddings):
+            if t.num_embeddings != n or t.embedding_dim != cfg.embedding_dim:
+                raise ValueError(f"pool table {t.name} is {t.num_embeddings}x{t.embedding_dim}, "
+                                 f"config wants {n}x{cfg.embedding_dim}")
+        F = len(cfg.feature_names)
+        D = cfg.embedding_dim
+        device = torch.device(dense_device)
+        self.dense_arch = DenseArch(cfg.num_dense, list(cfg.bottom_mlp), device=device)
+        self.inter_arch = InteractionArch(num_sparse_features=F)
+        self.over_arch = OverArch(D + F * (F - 1) // 2 + F, list(cfg.top_mlp), device=device)
+        self.inter_arch.to(device)
+        self.dense_device = device
+
+    def plan(self, kjt: KeyedJaggedTensor) -> SparsePlan:
+        """Validate a batch's sparse input (raises InvalidIdsError/ValueError) and index it."""
+        keys = list(kjt.keys())
+        if keys != list(self.cfg.feature_names):
+            raise ValueError(f"KeyedJaggedTensor keys {keys} != model features {list(self.cfg.feature_names)}")
+        B = kjt.stride()
+        values = kjt.values()
+        if values.dtype not in (torch.int64, torch.int32):
+            raise InvalidIdsError(f"sparse ids must be integers, got {values.dtype}")
+        values = values.to(torch.int64)
+        lengths = kjt.lengths().to(torch.int64)
+        if values.numel() and int(values.min()) < 0:
+            raise InvalidIdsError(f"negative sparse id {int(values.min())}")
+        bounds = kjt.offset_per_key()
+        plan = SparsePlan(B, [], [], [], [], [])
+        for f, table in enumerate(self.tables):
+            ids = values[bounds[f]:bounds[f + 1]]
+            if ids.numel() and int(ids.max()) >= table.num_embeddings:
+                raise InvalidIdsError(
+                    f"feature {keys[f]!r}: id {int(ids.max())} out of range [0, {table.num_embeddings})")
+            lens = lengths[f * B:(f + 1) * B]
+            offsets = torch.zeros(B, dtype=torch.int64)
+            if B > 1:
+                torch.cumsum(lens[:-1], 0, out=offsets[1:])
+            one_each = ids.numel() == B and bool((lens == 1).all())
+            bag = None if one_each else torch.repeat_interleave(torch.arange(B), lens)
+            rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            plan.ids.append(ids)
+            plan.offsets.append(offsets)
+            plan.bag_of_id.append(bag)
+            plan.rows.append(rows)
+            plan.inverse.append(inverse)
+        return plan
+
+    def pooled(self, plan: SparsePlan) -> torch.Tensor:
+        """Sum-pooled embeddings [B, F, D] read from the pool (no autograd)."""
+        outs = [t._pooled(ids, off) for t, ids, off in zip(self.tables, plan.ids, plan.offsets)]
+        return torch.stack(outs, dim=1)
+
+    def forward(self, dense: torch.Tensor, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits [B], pooled leaf [B, F, D] whose .grad feeds SparseOptimizer)."""
+        pooled = self.pooled(plan).to(self.dense_device).requires_grad_(True)
+        embedded_dense = self.dense_arch(dense.to(self.dense_device))
+        concat = self.inter_arch(dense_features=embedded_dense, sparse_features=pooled)
+        logits = self.over_arch(concat).squeeze(-1)
+        return logits, pooled
+
+    # -- TorchRec interop
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items()}
+
+    def export_torchrec(self) -> dict[str, torch.Tensor]:
+        """State dict of an equivalent ``torchrec.models.dlrm.DLRM`` (see :func:`torchrec_dlrm`)."""
+        return to_torchrec_state_dict(self)
+
+    def import_torchrec(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a TorchRec ``DLRM`` state_dict: dense parts into this module, tables into the pool."""
+        dense = {k: v for k, v in state.items() if not k.startswith("sparse_arch.")}
+        self.load_state_dict(dense)
+        for t in self.tables:
+            w = state[f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"]
+            if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
+                raise ValueError(f"{t.name}: weight {tuple(w.shape)} != table {(t.num_embeddings, t.embedding_dim)}")
+            t.view().copy_(w.to(t.dtype))
+            t._region.mark_dirty(torch.arange(t.num_embeddings))
+
+
+def to_torchrec_state_dict(model: PoolDLRM) -> dict[str, torch.Tensor]:
+    out = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    for t in model.tables:
+        out[f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"] = t.view().clone()
+    return out
+
+
+def torchrec_dlrm(cfg: ModelConfig, device: str = "cpu"):
+    """A plain TorchRec ``DLRM`` of the same shape (tables named after features)."""
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f, embedding_dim=cfg.embedding_dim, num_embeddings=n, feature_names=[f])
+                for f, n in zip(cfg.feature_names, cfg.num_embeddings)],
+        device=torch.device(device))
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=cfg.num_dense,
+                dense_arch_layer_sizes=list(cfg.bottom_mlp), over_arch_layer_sizes=list(cfg.top_mlp))
+
+
+# --------------------------------------------------------------------------- sparse optimizer
+
+
+@dataclass
+class RowUpdate:
+    table: Table
+    rows: torch.Tensor
+    weights: torch.Tensor
+    state_table: Table | None = None
+    state: torch.Tensor | None = None
+
+
+class SparseOptimizer:
+    """SGD or row-wise Adagrad over pool rows; the Adagrad accumulator is a pool table too."""
+
+    def __init__(self, cfg: EmbeddingOptimizerConfig, pool: MemoryPool, tables: Sequence[Table]):
+        self.cfg = cfg
+        self.tables = list(tables)
+        self.state_tables: list[Table | None] = [
+            pool.table(state_table_name(t.name)) if cfg.kind == "rowwise_adagrad" else None for t in self.tables]
+
+    @staticmethod
+    def create_state_tables(pool: MemoryPool, cfg: EmbeddingOptimizerConfig, model_cfg: ModelConfig) -> None:
+        if cfg.kind != "rowwise_adagrad":
+            return
+        for name, n in zip(model_cfg.feature_names, model_cfg.num_embeddings):
+            t = pool.create_table(state_table_name(name), n, 1)
+            if cfg.initial_accumulator:
+                t.view().fill_(cfg.initial_accumulator)
+                t._region.mark_dirty(torch.arange(n))
+
+    def touched(self, plan: SparsePlan) -> list[tuple[Table, torch.Tensor]]:
+        """Every (table, rows) this step will change: what the undo log must save first."""
+        out = []
+        for f, t in enumerate(self.tables):
+            out.append((t, plan.rows[f]))
+            if self.state_tables[f] is not None:
+                out.append((self.state_tables[f], plan.rows[f]))
+        return out
+
+    def compute(self, plan: SparsePlan, pooled_grad: torch.Tensor) -> list[RowUpdate]:
+        """New values of the touched rows (reads the pool, writes nothing)."""
+        grad = pooled_grad.detach().to("cpu", torch.float32)
+        c = self.cfg
+        updates = []
+        for f, t in enumerate(self.tables):
+            g = grad[:, f, :]
+            if plan.bag_of_id[f] is not None:
+                g = g.index_select(0, plan.bag_of_id[f])
+            rows = plan.rows[f]
+            # Sum the gradient of every occurrence of a row (fbgemm's exact optimizers do the same).
+            row_grad = torch.zeros(rows.numel(), g.shape[1], dtype=torch.float32)
+            row_grad.index_add_(0, plan.inverse[f], g)
+            w = t.view().index_select(0, rows)
+            if c.kind == "sgd":
+                updates.append(RowUpdate(t, rows, w.sub_(row_grad, alpha=c.lr)))
+                continue
+            st = self.state_tables[f]
+            m = st.view().index_select(0, rows)
+            m.add_(row_grad.square().mean(dim=1, keepdim=True))
+            w.addcdiv_(row_grad, m.sqrt().add_(c.eps), value=-c.lr)
+            updates.append(RowUpdate(t, rows, w, st, m))
+        return updates
+
+    @staticmethod
+    def apply(updates: Sequence[RowUpdate], between=None) -> None:
+        """Write the new rows in place. ``between(i)`` is called after update i (crash injection)."""
+        for i, u in enumerate(updates):
+            u.table._scatter(u.rows, u.weights)
+            if u.state_table is not None:
+                u.state_table._scatter(u.rows, u.state)
+            if between is not None:
+                between(i)

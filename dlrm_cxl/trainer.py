@@ -1,0 +1,346 @@
+"""The training loop: stream batches, look up and update rows in the pool, checkpoint each step.
+
+``Trainer(options, model_cfg).run()`` trains until ``options.steps`` steps have been done *in
+total*: on a pool that already holds training state it recovers (if a crash left an
+unfinished step) and continues from the committed step, so running the same command again
+after a crash ends at the same step with the same state.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from checkpointing import (CrashPlan, NoCheckpointer, UndoLogCheckpointer, checkpoint_status, read_commit,
+                           read_dense, recover, state_digest)
+from checkpointing.store import ckpt_dir
+from memory_pool import ConfigMismatchError, MemoryPool, PoolFormatError, TrainingDivergedError, destroy_pool
+
+from .data import DataSpec, Prefetcher, SyntheticData, make_data_source
+from .model import ModelConfig, PoolDLRM, SparseOptimizer
+
+__all__ = ["TrainOptions", "Trainer", "TrainSummary", "evaluate", "open_training_pool", "data_spec",
+           "build_dense_optimizer", "EVAL_SEED_OFFSET"]
+
+EVAL_SEED_OFFSET = 1_000_003  # synthetic eval data: same distribution, different samples
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    pool: str
+    steps: int
+    data: str = "synthetic"
+    seed: int = 0
+    tier: str = "auto"
+    device: str = "cpu"
+    eval_every: int = 0
+    eval_batches: int = 4
+    eval_data: str | None = None
+    checkpoint: str = "undo"           # undo | none
+    dense_every: int = 1
+    crash_at: tuple[int, str] | None = None
+    threads: int | None = None
+    skip_bad_lines: bool = False
+    capacity_bytes: int | None = None
+    dram_cache_bytes: int | None = None
+    fresh: bool = False
+    progress: bool = True
+    zipf_alpha: float = 1.05
+
+
+def validate_options(o: TrainOptions) -> None:
+    if not isinstance(o.steps, int) or o.steps < 0:
+        raise ValueError(f"--steps must be a non-negative integer, got {o.steps!r}")
+    if o.checkpoint not in ("undo", "none"):
+        raise ValueError(f"--checkpoint must be undo or none, got {o.checkpoint!r}")
+    if o.dense_every < 1:
+        raise ValueError(f"--dense-every must be >= 1, got {o.dense_every}")
+    if o.eval_every < 0 or o.eval_batches < 1:
+        raise ValueError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {o.eval_every}, {o.eval_batches}")
+    if o.device not in ("cpu", "cuda") and not o.device.startswith("cuda:"):
+        raise ValueError(f"--device must be cpu or cuda, got {o.device!r}")
+    if o.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available on this machine")
+    if o.threads is not None and o.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {o.threads}")
+
+
+@dataclass
+class TrainSummary:
+    pool: str
+    tier: str
+    durability: str
+    start_step: int
+    end_step: int
+    steps_run: int
+    samples: int
+    seconds: float
+    samples_per_s: float
+    final_loss: float | None
+    epochs: int | None
+    checkpoint: dict
+    recovered: dict | None
+    eval: list = field(default_factory=list)
+    pool_stats: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def data_spec(cfg: ModelConfig) -> DataSpec:
+    return DataSpec(num_dense=cfg.num_dense, feature_names=tuple(cfg.feature_names),
+                    num_embeddings=tuple(cfg.num_embeddings), batch_size=cfg.batch_size)
+
+
+def build_dense_optimizer(cfg: ModelConfig, params) -> torch.optim.Optimizer:
+    if cfg.dense_optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.dense_lr)
+    if cfg.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.dense_lr)
+    return torch.optim.Adam(params, lr=cfg.dense_lr)
+
+
+def _create_tables(pool: MemoryPool, cfg: ModelConfig, seed: int) -> None:
+    for f, (name, n) in enumerate(zip(cfg.feature_names, cfg.num_embeddings)):
+        # TorchRec's default init: uniform in [-sqrt(1/n), sqrt(1/n)]; seeded per table.
+        pool.create_table(name, n, cfg.embedding_dim, init="uniform", seed=seed * 1000 + f)
+    SparseOptimizer.create_state_tables(pool, cfg.embedding_optimizer, cfg)
+
+
+def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Callable[[str], None]):
+    """Open (recovering first if needed) or create the pool. Returns (pool, cfg, recovery, created)."""
+    path = Path(o.pool)
+    if o.fresh and path.exists():
+        destroy_pool(path)
+        log(f"--fresh: removed the pool at {path}")
+    if (path / "pool.json").exists():
+        probe = MemoryPool.open(path, read_only=True)
+        try:
+            meta = probe.meta
+            status = checkpoint_status(probe)
+        finally:
+            probe.close()
+        if "model" not in meta:
+            raise PoolFormatError(f"{path} is a pool but holds no trainer state (created through the API?)",
+                                  hint="train into a new --pool directory")
+        stored = ModelConfig.from_dict(meta["model"])
+        if model_cfg is not None and model_cfg != stored:
+            diff = [k for k in asdict(stored) if asdict(stored)[k] != asdict(model_cfg)[k]]
+            raise ConfigMismatchError(f"{path} was created with a different model ({', '.join(diff)} differ)")
+        if o.data != meta.get("data", o.data):
+            raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}")
+        if o.seed != meta.get("seed", o.seed):
+            raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
+        rep = None
+        if status["needs_recovery"]:
+            log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
+            rep = recover(path, digest=False)
+            log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
+                f"{rep.rows_restored} rows, in {rep.seconds * 1e3:.1f} ms")
+        pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
+        return pool, stored, rep, False
+    cfg = model_cfg
+    if cfg is None:
+        raise ValueError("a new pool needs a model config (pass --preset)")
+    pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes,
+                             dram_cache_bytes=o.dram_cache_bytes)
+    try:
+        _create_tables(pool, cfg, o.seed)
+        pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, kind="dlrm-cxl-trainer")
+    except BaseException:
+        pool.close()
+        destroy_pool(path)
+        raise
+    return pool, cfg, None, True
+
+
+class Trainer:
+    def __init__(self, options: TrainOptions, model_cfg: ModelConfig | None = None,
+                 log: Callable[[str], None] | None = None):
+        validate_options(options)
+        self.o = options
+        self.log = log or (lambda s: print(s, flush=True))
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        self.pool, self.cfg, self.recovery, created = open_training_pool(options, model_cfg, self.log)
+        try:
+            self._build(created)
+        except BaseException:
+            self.pool.close()
+            raise
+
+    def _build(self, created: bool) -> None:
+        o, cfg = self.o, self.cfg
+        torch.manual_seed(o.seed)
+        self.model = PoolDLRM(cfg, self.pool, dense_device=o.device)
+        self.dense_opt = build_dense_optimizer(cfg, self.model.parameters())
+        self.sparse_opt = SparseOptimizer(cfg.embedding_optimizer, self.pool, self.model.tables)
+        self.spec = data_spec(cfg)
+        self.source = make_data_source(o.data, self.spec, seed=o.seed, skip_bad_lines=o.skip_bad_lines,
+                                       alpha=o.zipf_alpha)
+        self.crash = CrashPlan(*o.crash_at, seed=o.seed) if o.crash_at else None
+        self._positions: dict[int, dict | None] = {}
+        ckpt_cls = UndoLogCheckpointer if o.checkpoint == "undo" else NoCheckpointer
+        self.ckpt = ckpt_cls(self.pool, self._dense_state, dense_every=o.dense_every, crash=self.crash)
+        if created:
+            self.step = 0
+            self._positions[0] = None
+            self.ckpt.checkpoint_now(0)  # step 0 (the initial state) is the first recovery point
+        else:
+            d = ckpt_dir(self.pool.storage_dir)
+            commit = read_commit(d)
+            state = read_dense(d / commit["dense_file"], commit["dense_crc32"])
+            self._load_dense(state)
+
+    # -- dense state
+    def _dense_state(self, step: int) -> dict:
+        opt_state = self.dense_opt.state_dict()
+        return {
+            "step": step,
+            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(_to_cpu(opt_state)),
+            "data_position": self._positions.get(step),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state()},
+        }
+
+    def _load_dense(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.dense_opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.step = state["step"]
+        self._positions = {self.step: state["data_position"]}
+
+    def digest(self) -> str:
+        return state_digest(self.pool, self._dense_state(self.step))
+
+    # -- one step
+    def train_step(self, k: int, batch) -> float:
+        ck, model = self.ckpt, self.model
+        with ck.step(k, final=(k == self.o.steps)):
+            plan = model.plan(batch.sparse)
+            ck.log_before_image(self.sparse_opt.touched(plan))
+            logits, pooled = model(batch.dense, plan)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
+            if not bool(torch.isfinite(loss)):
+                raise TrainingDivergedError(f"loss is {float(loss)} at step {k}; the step was not applied")
+            self.dense_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            updates = self.sparse_opt.compute(plan, pooled.grad)
+            ck.persist()
+            half = len(updates) // 2
+
+            def apply():
+                self.sparse_opt.apply(updates, between=lambda i: ck.hit("mid-update") if i == half - 1 else None)
+                self.dense_opt.step()
+
+            ck.update(apply)
+            self.step = k
+        return float(loss.detach())
+
+    # -- the loop
+    def run(self) -> TrainSummary:
+        o = self.o
+        start = self.step
+        self.log(f"dlrm-cxl: pool {o.pool} | tier {self.pool.tier}: {self.pool.durability} | "
+                 f"checkpoint {o.checkpoint} (dense every {o.dense_every}) | step {start} -> {o.steps}")
+        losses: list[float] = []
+        evals = []
+        t0 = time.perf_counter()
+        n = max(o.steps - start, 0)
+        bar = None
+        if o.progress and n:
+            from tqdm import tqdm
+
+            bar = tqdm(total=o.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True)
+        last_pos = self._positions.get(start)
+        try:
+            if n:
+                with Prefetcher(self.source.iter_batches(last_pos)) as batches:
+                    for k in range(start + 1, o.steps + 1):
+                        batch, pos = next(batches)
+                        self._positions = {self.step: self._positions.get(self.step), k: pos}
+                        ts = time.perf_counter()
+                        losses.append(self.train_step(k, batch))
+                        last_pos = pos
+                        if self.crash is not None:
+                            self.crash.expected_step_seconds = max(time.perf_counter() - ts, 1e-3)
+                        if bar is not None:
+                            el = time.perf_counter() - t0
+                            bar.set_postfix(loss=f"{losses[-1]:.4f}",
+                                            samples_s=f"{(k - start) * self.cfg.batch_size / el:,.0f}")
+                            bar.update(1)
+                        if o.eval_every and k % o.eval_every == 0:
+                            evals.append({"step": k, **self.evaluate(o.eval_batches)})
+                            self.log(f"eval at step {k}: auc {evals[-1]['auc']:.4f} logloss {evals[-1]['logloss']:.4f}")
+            self.ckpt.close()
+        finally:
+            if bar is not None:
+                bar.close()
+        dt = time.perf_counter() - t0
+        samples = n * self.cfg.batch_size
+        summary = TrainSummary(
+            pool=o.pool, tier=self.pool.tier, durability=self.pool.durability, start_step=start,
+            end_step=self.step, steps_run=n, samples=samples, seconds=dt,
+            samples_per_s=samples / dt if dt > 0 and n else 0.0,
+            final_loss=float(np.mean(losses[-10:])) if losses else None,
+            epochs=(last_pos or {}).get("epoch") if isinstance(last_pos, dict) else None,
+            checkpoint=self.ckpt.stats.as_dict(),
+            recovered=self.recovery.as_dict() if self.recovery else None,
+            eval=evals, pool_stats=self.pool.stats.as_dict())
+        return summary
+
+    def evaluate(self, batches: int, data: str | None = None) -> dict:
+        src = data or self.o.eval_data
+        if src is None and self.o.data == "synthetic":
+            source = SyntheticData(self.spec, seed=self.o.seed + EVAL_SEED_OFFSET, alpha=self.o.zipf_alpha)
+        else:
+            source = make_data_source(src or self.o.data, self.spec, seed=self.o.seed,
+                                      skip_bad_lines=self.o.skip_bad_lines)
+        return evaluate(self.model, source, batches)
+
+    def close(self) -> None:
+        try:
+            self.ckpt.close()
+        finally:
+            self.pool.close()
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+@torch.no_grad()
+def evaluate(model: PoolDLRM, source, batches: int) -> dict:
+    """AUC and log loss over ``batches`` batches of ``source`` (from its start)."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    preds, labels = [], []
+    for i, (batch, _) in enumerate(source.iter_batches(None)):
+        if i >= batches:
+            break
+        logits, _ = model(batch.dense, model.plan(batch.sparse))
+        preds.append(torch.sigmoid(logits.float().cpu()))
+        labels.append(batch.labels)
+    p = torch.cat(preds)
+    y = torch.cat(labels)
+    logloss = float(F.binary_cross_entropy(p.clamp(1e-7, 1 - 1e-7), y))
+    auc = float(binary_auroc(p, y.long())) if 0 < float(y.sum()) < y.numel() else float("nan")
+    return {"auc": auc, "logloss": logloss, "samples": int(y.numel())}

@@ -1,0 +1,72 @@
+"""Shared fixtures: the pool tiers, a pool directory that is cleaned up (shm regions included),
+and a helper that runs a Python snippet in a fresh interpreter (crash and multi-process tests)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import memory_pool
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=memory_pool.TIERS)
+def tier(request) -> str:
+    """Every tier of the pool: dram, shm, pmem, power-sim."""
+    return request.param
+
+
+def _remove_pools_under(root: Path) -> None:
+    for header in sorted(root.rglob(memory_pool.pool.HEADER)):
+        for attempt in range(2):
+            try:
+                memory_pool.destroy_pool(header.parent)
+                break
+            except memory_pool.PoolLockedError:
+                gc.collect()  # a pool the test dropped without close() releases its lock
+            except memory_pool.DlrmCxlError:
+                break  # a header the test damaged on purpose
+        if not header.exists():
+            continue
+        try:  # still remove the shm region, which lives outside tmp_path
+            storage = Path(json.loads(header.read_bytes()).get("storage_dir", ""))
+        except (ValueError, OSError, AttributeError):
+            continue
+        if storage.name.startswith("dlrm-cxl-") and storage.parent == memory_pool.tiers.shm_root():
+            shutil.rmtree(storage, ignore_errors=True)
+
+
+@pytest.fixture
+def tmp_pool_dir(tmp_path) -> Path:
+    """A path for a pool (not created). Every pool made under tmp_path is destroyed afterwards."""
+    yield tmp_path / "pool"
+    _remove_pools_under(tmp_path)
+
+
+def run_python(code: str, *args, env: dict | None = None, timeout: float = 120,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` (dedented) in a new interpreter with ``args`` as ``sys.argv[1:]``.
+
+    ``check``: fail the test unless it exits 0 (its stderr is in the message).
+    """
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                          cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"child exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def run_py():
+    """The :func:`run_python` helper."""
+    return run_python
