@@ -12,7 +12,7 @@ import json
 
 import torch
 
-__all__ = ["state_digest"]
+__all__ = ["state_digest", "combine_digests"]
 
 
 def _tensor_bytes(h, t: torch.Tensor) -> None:
@@ -47,4 +47,12 @@ def state_digest(pool, dense_state: dict | None) -> str:
         _update_obj(h, dense_state.get("model", {}))
         h.update(b"[optimizer]")
         _update_obj(h, dense_state.get("optimizer", {}))
+    return h.hexdigest()
+
+
+def combine_digests(digests: list[str]) -> str:
+    """The digest of a job of several ranks: a hash over every rank's digest, in rank order."""
+    h = hashlib.blake2b(digest_size=32)
+    for d in digests:
+        h.update(d.encode())
     return h.hexdigest()

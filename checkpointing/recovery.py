@@ -27,7 +27,7 @@ from memory_pool.errors import PoolCorruptError, RecoveryError
 
 from .crash import die
 from .digest import state_digest
-from .store import ckpt_dir, invalidate_slot, read_commit, read_dense, read_slot, scan_slots
+from .store import DENSE, ckpt_dir, invalidate_slot, read_commit, read_dense, read_slot, scan_slots, write_commit
 from .undo import RUNNING_MARKER
 
 __all__ = ["recover", "RecoveryReport", "checkpoint_status"]
@@ -68,7 +68,7 @@ def checkpoint_status(pool: MemoryPool) -> dict:
     }
 
 
-def _load_verified(pool: MemoryPool):
+def _load_verified(pool: MemoryPool, target: int | None = None):
     d = ckpt_dir(pool.storage_dir)
     try:
         commit = read_commit(d)
@@ -81,10 +81,22 @@ def _load_verified(pool: MemoryPool):
             hint="start over with `dlrm-cxl train --fresh`, or restore the pool from a copy")
     if commit is None:
         return None, None, []
-    try:
-        dense = read_dense(d / commit["dense_file"], commit["dense_crc32"])
-    except PoolCorruptError as exc:
-        raise RecoveryError(f"{exc.message} (named by COMMIT, step {commit['step']})") from None
+    if target is not None and target > commit["step"]:
+        raise RecoveryError(f"cannot recover to step {target}: this pool committed only step {commit['step']}")
+    if target is not None and target < commit["step"]:
+        # Several ranks: this rank is ahead of the newest step every rank committed. Roll back
+        # to it: its dense snapshot and every undo record after it were kept for exactly this.
+        name = f"dense-{target:012d}.pt"
+        try:
+            dense = read_dense(d / name)
+        except PoolCorruptError as exc:
+            raise RecoveryError(f"{exc.message} (needed to roll back to step {target})") from None
+        commit = {"step": target, "dense_file": name, "dense_crc32": None, "rewrite_from": commit["step"]}
+    else:
+        try:
+            dense = read_dense(d / commit["dense_file"], commit["dense_crc32"])
+        except PoolCorruptError as exc:
+            raise RecoveryError(f"{exc.message} (named by COMMIT, step {commit['step']})") from None
     slots = scan_slots(d / "undo")
     bad = [s for s in slots if s.state == "damaged"]
     if bad:
@@ -103,21 +115,41 @@ def _load_verified(pool: MemoryPool):
             if r.before.shape[1] != t.config.row_bytes or (r.ids.numel() and int(r.ids.max()) >= t.num_embeddings):
                 raise RecoveryError(f"undo log of step {s.step}: record for {r.table!r} does not fit the table")
         todo.append((s, records))
+    if "rewrite_from" in commit:
+        have = {s.step for s, _ in todo}
+        missing = [k for k in range(commit["step"] + 1, commit["rewrite_from"] + 1) if k not in have]
+        if missing:
+            raise RecoveryError(f"cannot roll back to step {commit['step']}: undo records of committed "
+                                f"steps {missing[:5]} are gone")
     return commit, dense, todo
 
 
 def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
-            pool: MemoryPool | None = None) -> RecoveryReport:
+            pool: MemoryPool | None = None, target_step: int | None = None, rank_of_job: bool = False):
     """Recover the pool at ``path`` (see the module docstring). Returns what it found and did.
 
     ``pool``: an already open writable pool to use instead of opening ``path``.
+    ``target_step``: roll back to this committed step instead of the newest (several ranks:
+    the newest step that every rank committed).
+
+    ``path`` may be a job of several ranks (``DIR/job.json``): every rank is brought to the
+    newest step all ranks committed (a JobRecoveryReport). A single rank of a job is only
+    recovered as part of it (``rank_of_job=True``, which the job and the trainer pass).
     """
+    from .job import JOB_FILE, is_job, recover_job
+
+    if pool is None and is_job(path):
+        return recover_job(path, dry_run=dry_run, digest=digest)
+    if not rank_of_job and (Path(path).parent / JOB_FILE).exists() and Path(path).name.startswith("rank-"):
+        raise RecoveryError(f"{path} is one rank of the job at {Path(path).parent}: recovering it alone could "
+                            f"leave it at another step than the other ranks",
+                            hint=f"recover the whole job: dlrm-cxl recover --pool {Path(path).parent}")
     t0 = time.perf_counter()
     own = pool is None
     if own:
         pool = MemoryPool.open(path, read_only=dry_run)
     try:
-        commit, dense, todo = _load_verified(pool)
+        commit, dense, todo = _load_verified(pool, target_step)
         rep = RecoveryReport(str(path), commit["step"] if commit else None, bool(todo), dry_run)
         if commit is None:
             rep.actions.append("no commit record: the pool holds no training state; nothing to do")
@@ -142,6 +174,15 @@ def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: st
                 pool.table(name).persist(torch.cat(ids))
             if crash_phase == "before-invalidate":
                 die("recovery before-invalidate")
+        if not dry_run and commit is not None and "rewrite_from" in commit:
+            # The rows are at the target now; say so durably *before* dropping the records of
+            # the later steps (the other order would leave a COMMIT that no records can reach).
+            name = commit["dense_file"]
+            raw = (ckpt_dir(pool.storage_dir) / name).read_bytes()
+            write_commit(ckpt_dir(pool.storage_dir), commit["step"], name, DENSE.unpack_from(raw)[3])
+            rep.actions.append(f"rolled back committed steps {commit['step'] + 1}..{commit['rewrite_from']} "
+                               f"to match the other ranks")
+        if not dry_run and todo:
             for s, _ in todo:
                 invalidate_slot(s.path)
         if not dry_run:

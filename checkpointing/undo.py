@@ -110,7 +110,11 @@ class UndoLogCheckpointer(Checkpointer):
     name = "undo"
 
     def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, dense_every: int = 1,
-                 crash: CrashPlan | None = None, max_pending_slots: int = 64):
+                 crash: CrashPlan | None = None, max_pending_slots: int = 64, coordinator=None):
+        """``coordinator`` (several ranks): has ``global_min(int) -> int`` over all ranks. With
+        one, checkpoints follow a fixed schedule (every ``dense_every`` steps, waiting for the
+        previous one) so every rank has a snapshot at the same steps, and undo slots are
+        reused only up to the newest step *every* rank has committed."""
         if dense_every < 1:
             raise ValueError(f"dense_every must be >= 1, got {dense_every}")
         self.pool = pool
@@ -122,9 +126,14 @@ class UndoLogCheckpointer(Checkpointer):
         self.undo_dir = self.dir / "undo"
         self.undo_dir.mkdir(parents=True, exist_ok=True)
         self.stats = CheckpointStats()
+        self.coordinator = coordinator
+        if coordinator is not None and dense_every * 2 + 4 > max_pending_slots:
+            raise ValueError(f"--dense-every {dense_every} is too large for coordinated commits "
+                             f"(at most {(max_pending_slots - 4) // 2})")
         commit = read_commit(self.dir)
         self._durable_commit = commit["step"] if commit else -1
         self._last_submitted = self._durable_commit
+        self._released = self._durable_commit   # undo slots of steps <= this are reusable
         self._slots_lock = threading.Lock()
         self._free = [s.path for s in scan_slots(self.undo_dir)]
         self._next_slot = len(self._free)
@@ -222,19 +231,42 @@ class UndoLogCheckpointer(Checkpointer):
     def commit(self, step: int, *, final: bool = False) -> None:
         t0 = time.perf_counter()
         self.stats.steps += 1
-        forced = final or (self.crash is not None and self.crash.step == step
-                           and self.crash.phase in ("before-commit", "after-commit", "mid-dense"))
-        due = step - self._last_submitted >= self.dense_every
-        if forced:
+        crash_here = (self.crash is not None and self.crash.step == step
+                      and self.crash.phase in ("before-commit", "after-commit", "mid-dense"))
+        if self.coordinator is None:
+            # One process: checkpoint when due and the previous one has finished (never stall
+            # the step on a slow tier); the final step, and a step a crash test aims at, always.
+            due = step - self._last_submitted >= self.dense_every
+            if final or crash_here:
+                self._ckpt.wait_idle()
+                self._submit_checkpoint(step)
+                self._ckpt.wait_idle()
+            elif due and self._ckpt.idle():
+                self._submit_checkpoint(step)
+        elif final or step % self.dense_every == 0:
+            # Several ranks: the same fixed schedule on every rank, so that whatever step all
+            # ranks have committed, each of them has its dense snapshot.
             self._ckpt.wait_idle()
             self._submit_checkpoint(step)
-            self._ckpt.wait_idle()
-        elif due and self._ckpt.idle():
-            self._submit_checkpoint(step)
+            if final or crash_here:
+                self._ckpt.wait_idle()
         self._ckpt.check()
+        self._release()
         self.stats.max_commit_lag = max(self.stats.max_commit_lag, step - max(self._durable_commit, 0))
         self.stats.critical_seconds += time.perf_counter() - t0
         self._step = None
+
+    def _release(self) -> None:
+        """Make undo slots reusable up to the newest step committed everywhere."""
+        g = self._durable_commit
+        if self.coordinator is not None:
+            g = self.coordinator.global_min(g)
+        if g <= self._released:
+            return
+        with self._slots_lock:
+            for s in [s for s in self._pending if s <= g]:
+                self._free.append(self._pending.pop(s))
+        self._released = g
 
     def _submit_checkpoint(self, step: int) -> None:
         state = self.dense_state(step)  # captured now, on the trainer's thread: exactly step k
@@ -246,6 +278,7 @@ class UndoLogCheckpointer(Checkpointer):
         self._ckpt.wait_idle()
         self._submit_checkpoint(step)
         self._ckpt.wait_idle()
+        self._release()
 
     def _write_checkpoint(self, job) -> None:
         step, state = job
@@ -266,16 +299,15 @@ class UndoLogCheckpointer(Checkpointer):
         self.stats.last_commit_step = step
         self.stats.table_bytes_persisted += t_bytes
         self.stats.dense_bytes += d_bytes
-        # 4. what no recovery can need any more: older undo slots and dense snapshots.
-        with self._slots_lock:
-            for s in [s for s in self._pending if s <= step]:
-                self._free.append(self._pending.pop(s))
+        # 4. dense snapshots no recovery can need any more: older than the newest step that
+        #    is committed everywhere (undo slots are released by the trainer's thread, _release).
+        keep_from = min(step, self._released) if self.coordinator is not None else step
         for p in self.dir.glob("dense-*.pt"):
-            if p.name != name:
-                try:
+            try:
+                if int(p.stem.split("-")[1]) < keep_from:
                     p.unlink()
-                except OSError:
-                    pass
+            except (OSError, ValueError, IndexError):
+                pass
 
     def close(self) -> None:
         try:

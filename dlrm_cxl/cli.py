@@ -1,6 +1,7 @@
 """The ``dlrm-cxl`` command line. ``main(argv) -> int``; never calls sys.exit itself.
 
-Exit codes: 0 ok; 1 unexpected error; 2 bad arguments or input; 3 not a pool / wrong version /
+Exit codes: 0 ok; 1 unexpected error; 2 bad arguments or input (also: eval/export of a pool
+that needs `recover` first); 3 not a pool / wrong version /
 volatile pool gone; 4 damage that recovery cannot repair (nothing was changed); 5 pool locked by
 another writer; 6 pool or disk full; 7 malformed data; 8 training diverged (NaN/inf loss).
 """
@@ -12,6 +13,8 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+from memory_pool.errors import DlrmCxlError
 
 __all__ = ["main", "build_parser", "model_config_from_args"]
 
@@ -89,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pool", default=DEFAULT_POOL)
     e.add_argument("--data", default=None, help="default: held-out synthetic data, or the training file")
     e.add_argument("--batches", type=int, default=8)
+    e.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines")
     e.add_argument("--json", action="store_true")
 
     x = sub.add_parser("export", help="write a TorchRec DLRM state_dict (torch.save)")
@@ -119,8 +123,11 @@ _MODEL_FLAGS = ("config", "batch_size", "embedding_dim", "max_rows", "lr", "dens
                 "embedding_optimizer")
 
 
-def model_config_from_args(args, *, default_preset: str | None = "small"):
-    """The ModelConfig the flags ask for, or None when they ask for nothing (use the pool's)."""
+def model_config_from_args(args, *, default_preset: str | None = "small", base=None):
+    """The ModelConfig the flags ask for, or None when they ask for nothing (use the pool's).
+
+    ``base``: the config of the existing pool; flags without --preset override it (not the
+    default preset), so that e.g. ``--lr`` on a tiny pool is reported as an lr change."""
     from .model import PRESETS, EmbeddingOptimizerConfig, ModelConfig, validate_model_config
 
     given = [f for f in _MODEL_FLAGS if getattr(args, f, None) is not None]
@@ -130,7 +137,7 @@ def model_config_from_args(args, *, default_preset: str | None = "small"):
         preset = default_preset
     else:
         preset = getattr(args, "preset", None) or "small"
-    cfg = PRESETS[preset]
+    cfg = base if base is not None and getattr(args, "preset", None) is None else PRESETS[preset]
     if getattr(args, "config", None) is not None:
         try:
             doc = json.loads(Path(args.config).read_text())
@@ -169,7 +176,8 @@ def _cmd_train(args) -> int:
     from .trainer import Trainer, TrainOptions
 
     pool_exists = (Path(args.pool) / "pool.json").exists() and not args.fresh
-    cfg = model_config_from_args(args, default_preset=None if pool_exists else "small")
+    cfg = model_config_from_args(args, default_preset=None if pool_exists else "small",
+                                 base=_stored_config(args.pool) if pool_exists else None)
     opts = TrainOptions(
         pool=args.pool, steps=args.steps, data=args.data, seed=args.seed, tier=args.tier, device=args.device,
         eval_every=args.eval_every, eval_batches=args.eval_batches, eval_data=args.eval_data,
@@ -182,10 +190,14 @@ def _cmd_train(args) -> int:
     try:
         summary = trainer.run()
         digest = trainer.digest()
+        # lines --skip-bad-lines skipped while reading (read-ahead included; a line is counted
+        # each epoch it is read)
+        skipped = int(getattr(trainer.source, "skipped", 0) or 0)
     finally:
         trainer.close()
     d = summary.as_dict()
     d["state_digest"] = digest
+    d.setdefault("skipped_lines", skipped)
     if args.json:
         _print_json(d)
         return 0
@@ -196,6 +208,8 @@ def _cmd_train(args) -> int:
         print(f"loss (mean of last 10 steps): {summary.final_loss:.4f}")
     if summary.epochs:
         print(f"data: the file was read {summary.epochs} time(s) from the start (epochs wrapped)")
+    if d["skipped_lines"]:
+        print(f"data: {d['skipped_lines']} malformed line(s) skipped (--skip-bad-lines)")
     print(f"checkpoint {args.checkpoint}: {ck['critical_ms_per_step']:.2f} ms/step on the critical path, "
           f"{ck['bytes_durable_per_step'] / 1e6:.2f} MB made durable per step, {ck['checkpoints']} recovery "
           f"points, newest at step {ck['last_commit_step']}")
@@ -259,8 +273,24 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+class NeedsRecoveryError(DlrmCxlError):
+    """A crash left the pool between steps; eval/export would read a mix of two states."""
+
+    exit_code = 2
+
+
+def _stored_config(pool_path):
+    """The ModelConfig an existing pool was created with, or None (no trainer state)."""
+    from memory_pool import read_header
+
+    from .model import ModelConfig
+
+    model = read_header(Path(pool_path)).get("meta", {}).get("model")
+    return ModelConfig.from_dict(model) if model else None
+
+
 def _open_model(pool_path, read_only=True):
-    from checkpointing import read_commit, read_dense
+    from checkpointing import checkpoint_status, read_commit, read_dense
     from checkpointing.store import ckpt_dir
     from memory_pool import MemoryPool, PoolFormatError
 
@@ -270,6 +300,15 @@ def _open_model(pool_path, read_only=True):
     try:
         if "model" not in pool.meta:
             raise PoolFormatError(f"{pool_path} holds no model (no trainer state)")
+        status = checkpoint_status(pool)
+        if status["needs_recovery"]:
+            # Its rows may hold steps after the committed one: reading it now mixes two states.
+            raise NeedsRecoveryError(
+                f"{pool_path} needs recovery (uncommitted steps {status['steps_to_roll_back']}"
+                + ("; it was trained with --checkpoint none and interrupted" if status["trained_without_undo"]
+                   else "") + ")",
+                hint=("start over with `dlrm-cxl train --fresh`" if status["trained_without_undo"] else
+                      f"run `dlrm-cxl recover --pool {pool_path}` first (or `dlrm-cxl train`, which recovers)"))
         cfg = ModelConfig.from_dict(pool.meta["model"])
         model = PoolDLRM(cfg, pool)
         commit = read_commit(ckpt_dir(pool.storage_dir))
@@ -280,6 +319,14 @@ def _open_model(pool_path, read_only=True):
         pool.close()
         raise
     return pool, cfg, model
+
+
+class _HeldOutSynthetic:
+    def __init__(self, source, first_batch: int):
+        self.source, self.first_batch = source, first_batch
+
+    def iter_batches(self, position=None):
+        return self.source.iter_batches(position or {"batch": self.first_batch})
 
 
 def _cmd_eval(args) -> int:
@@ -294,9 +341,11 @@ def _cmd_eval(args) -> int:
         data = args.data or meta.get("data", "synthetic")
         spec = data_spec(cfg)
         if data == "synthetic":
-            source = SyntheticData(spec, seed=meta.get("seed", 0) + EVAL_SEED_OFFSET)
+            # Held out: batches of the training distribution (its seed: the seed also fixes the
+            # true effects, so another seed is another problem) that training does not read.
+            source = _HeldOutSynthetic(SyntheticData(spec, seed=meta.get("seed", 0)), EVAL_SEED_OFFSET)
         else:
-            source = make_data_source(data, spec)
+            source = make_data_source(data, spec, skip_bad_lines=args.skip_bad_lines)
         res = evaluate(model, source, args.batches)
     finally:
         pool.close()
@@ -325,6 +374,40 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _load_torchrec_state(path: Path, cfg) -> dict:
+    """torch.load a TorchRec DLRM state_dict and check its tables against ``cfg`` before any
+    pool is created (ValueError naming the problem and, if one fits, the preset to pass)."""
+    import pickle
+
+    import torch
+
+    from .model import PRESETS
+
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise ValueError(f"--state {path}: no such file") from None
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise ValueError(f"--state {path}: not a state_dict written by torch.save "
+                         f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"--state {path}: not a state_dict (a dict of tensors)")
+
+    def shapes(c):
+        return {f"sparse_arch.embedding_bag_collection.embedding_bags.{f}.weight": (n, c.embedding_dim)
+                for f, n in zip(c.feature_names, c.num_embeddings)}
+
+    have = {k: tuple(v.shape) for k, v in state.items() if k.startswith("sparse_arch.")}
+    if have != shapes(cfg):
+        fits = [name for name, c in sorted(PRESETS.items()) if have == shapes(c)]
+        bad = next((k for k in sorted(set(have) | set(shapes(cfg))) if have.get(k) != shapes(cfg).get(k)), None)
+        raise ValueError(
+            f"--state {path}: its embedding tables do not match the model config "
+            f"({bad}: {have.get(bad)} in the file, {shapes(cfg).get(bad)} expected)"
+            + (f"; pass --preset {fits[0]}" if fits else "; pass the --preset/--config it was exported with"))
+    return state
+
+
 def _cmd_import(args) -> int:
     import torch
 
@@ -335,12 +418,16 @@ def _cmd_import(args) -> int:
     from .trainer import _create_tables, build_dense_optimizer
 
     cfg = model_config_from_args(args)
-    state = torch.load(args.state, weights_only=True)
+    state = _load_torchrec_state(args.state, cfg)
     pool = MemoryPool.create(args.pool, tier=args.tier)
     try:
         _create_tables(pool, cfg, 0)
         model = PoolDLRM(cfg, pool)
-        model.import_torchrec(state)
+        try:
+            model.import_torchrec(state)
+        except (RuntimeError, KeyError) as exc:  # load_state_dict: keys or shapes of the dense part
+            raise ValueError(f"{args.state} does not fit --preset {args.preset}: "
+                             f"{str(exc).strip().splitlines()[0]}") from None
         pool.set_meta(model=cfg.to_dict(), seed=0, data="synthetic", kind="dlrm-cxl-trainer")
         opt = build_dense_optimizer(cfg, model.parameters())
         ck = UndoLogCheckpointer(pool, lambda s: {"step": s, "model": model.state_dict(),
@@ -371,8 +458,6 @@ def _cmd_data(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memory_pool.errors import DlrmCxlError
-
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -389,7 +474,19 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except ValueError as exc:
         print(f"dlrm-cxl {args.command}: error: {exc}", file=sys.stderr)
+        print(f"hint: see `dlrm-cxl {args.command} --help` for the options and their values", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the user gave that cannot be read or written
+        import errno
+
+        print(f"dlrm-cxl {args.command}: error: {exc}", file=sys.stderr)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            print("hint: free disk space, or pass a smaller --capacity", file=sys.stderr)
+            return 6
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+            print("hint: check the paths given on the command line", file=sys.stderr)
+            return 2
+        return 1
     except KeyboardInterrupt:
         print(f"dlrm-cxl {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -120,6 +120,15 @@ def validate_model_config(cfg: ModelConfig) -> None:
     for name, lr in (("dense_lr", cfg.dense_lr), ("embedding lr", cfg.embedding_optimizer.lr)):
         if not (lr > 0 and math.isfinite(lr)):
             raise ValueError(f"{name} must be a positive finite number, got {lr}")
+    eo = cfg.embedding_optimizer
+    if eo.kind == "rowwise_adagrad":
+        # eps = 0 turns a touched row with a zero gradient into 0/0 = NaN on its first update;
+        # a negative accumulator makes sqrt() NaN.
+        if not (eo.eps > 0 and math.isfinite(eo.eps)):
+            raise ValueError(f"embedding optimizer eps must be a positive finite number, got {eo.eps}")
+        if not (eo.initial_accumulator >= 0 and math.isfinite(eo.initial_accumulator)):
+            raise ValueError(f"embedding optimizer initial_accumulator must be a finite number >= 0, "
+                             f"got {eo.initial_accumulator}")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -162,12 +171,16 @@ class PoolDLRM(nn.Module):
     Parameters are only the dense ones; the tables are ``pool.table(feature)``.
     """
 
-    def __init__(self, cfg: ModelConfig, pool: MemoryPool, dense_device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, pool: MemoryPool, dense_device: torch.device | str = "cpu",
+                 features: Sequence[int] | None = None):
+        """``features``: indices of the features whose tables are in ``pool`` (default all;
+        a rank of a sharded job holds a subset, see dlrm_cxl.distributed)."""
         super().__init__()
         validate_model_config(cfg)
         self.cfg = cfg
-        self.tables: list[Table] = [pool.table(n) for n in cfg.feature_names]
-        for t, n in zip(self.tables, cfg.num_embeddings):
+        self.features = list(range(len(cfg.feature_names))) if features is None else list(features)
+        self.tables: list[Table] = [pool.table(cfg.feature_names[f]) for f in self.features]
+        for t, n in zip(self.tables, [cfg.num_embeddings[f] for f in self.features]):
             if t.num_embeddings != n or t.embedding_dim != cfg.embedding_dim:
                 raise ValueError(f"pool table {t.name} is {t.num_embeddings}x{t.embedding_dim}, "
                                  f"config wants {n}x{cfg.embedding_dim}")
@@ -191,15 +204,20 @@ class PoolDLRM(nn.Module):
             raise InvalidIdsError(f"sparse ids must be integers, got {values.dtype}")
         values = values.to(torch.int64)
         lengths = kjt.lengths().to(torch.int64)
-        if values.numel() and int(values.min()) < 0:
-            raise InvalidIdsError(f"negative sparse id {int(values.min())}")
         bounds = kjt.offset_per_key()
-        plan = SparsePlan(B, [], [], [], [], [])
-        for f, table in enumerate(self.tables):
+        # Validate every feature before indexing any, naming the feature and the bad id.
+        for f, table in zip(self.features, self.tables):
             ids = values[bounds[f]:bounds[f + 1]]
-            if ids.numel() and int(ids.max()) >= table.num_embeddings:
-                raise InvalidIdsError(
-                    f"feature {keys[f]!r}: id {int(ids.max())} out of range [0, {table.num_embeddings})")
+            if ids.numel():
+                lo, hi = (int(x) for x in torch.aminmax(ids))
+                if lo < 0:
+                    raise InvalidIdsError(f"feature {keys[f]!r}: negative sparse id {lo}")
+                if hi >= table.num_embeddings:
+                    raise InvalidIdsError(
+                        f"feature {keys[f]!r}: id {hi} out of range [0, {table.num_embeddings})")
+        plan = SparsePlan(B, [], [], [], [], [])
+        for f in self.features:
+            ids = values[bounds[f]:bounds[f + 1]]
             lens = lengths[f * B:(f + 1) * B]
             offsets = torch.zeros(B, dtype=torch.int64)
             if B > 1:
@@ -215,17 +233,20 @@ class PoolDLRM(nn.Module):
         return plan
 
     def pooled(self, plan: SparsePlan) -> torch.Tensor:
-        """Sum-pooled embeddings [B, F, D] read from the pool (no autograd)."""
+        """Sum-pooled embeddings [B, F, D] of this pool's features, read from the pool (no autograd)."""
         outs = [t._pooled(ids, off) for t, ids, off in zip(self.tables, plan.ids, plan.offsets)]
         return torch.stack(outs, dim=1)
 
     def forward(self, dense: torch.Tensor, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits [B], pooled leaf [B, F, D] whose .grad feeds SparseOptimizer)."""
         pooled = self.pooled(plan).to(self.dense_device).requires_grad_(True)
+        return self.forward_pooled(dense, pooled), pooled
+
+    def forward_pooled(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The dense part: bottom MLP, interaction with all F pooled features [B, F, D], top MLP."""
         embedded_dense = self.dense_arch(dense.to(self.dense_device))
         concat = self.inter_arch(dense_features=embedded_dense, sparse_features=pooled)
-        logits = self.over_arch(concat).squeeze(-1)
-        return logits, pooled
+        return self.over_arch(concat).squeeze(-1)
 
     # -- TorchRec interop
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
@@ -238,13 +259,20 @@ class PoolDLRM(nn.Module):
     def import_torchrec(self, state: dict[str, torch.Tensor]) -> None:
         """Load a TorchRec ``DLRM`` state_dict: dense parts into this module, tables into the pool."""
         dense = {k: v for k, v in state.items() if not k.startswith("sparse_arch.")}
-        self.load_state_dict(dense)
-        for t in self.tables:
-            w = state[f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"]
+        weights = []
+        for t in self.tables:  # check every table before changing anything
+            key = f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"
+            if key not in state:
+                raise ValueError(f"TorchRec state_dict has no {key!r}")
+            w = state[key]
             if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
                 raise ValueError(f"{t.name}: weight {tuple(w.shape)} != table {(t.num_embeddings, t.embedding_dim)}")
-            t.view().copy_(w.to(t.dtype))
-            t._region.mark_dirty(torch.arange(t.num_embeddings))
+            weights.append(w)
+        self.load_state_dict(dense)
+        for t, w in zip(self.tables, weights):
+            # Through _scatter, not view().copy_(): a table served through a DRAM row cache must
+            # not keep serving the rows it cached before the import.
+            t._scatter(torch.arange(t.num_embeddings), w.detach().to("cpu", t.dtype).contiguous())
 
 
 def to_torchrec_state_dict(model: PoolDLRM) -> dict[str, torch.Tensor]:
@@ -290,10 +318,12 @@ class SparseOptimizer:
             pool.table(state_table_name(t.name)) if cfg.kind == "rowwise_adagrad" else None for t in self.tables]
 
     @staticmethod
-    def create_state_tables(pool: MemoryPool, cfg: EmbeddingOptimizerConfig, model_cfg: ModelConfig) -> None:
+    def create_state_tables(pool: MemoryPool, cfg: EmbeddingOptimizerConfig, model_cfg: ModelConfig,
+                            features: Sequence[int] | None = None) -> None:
         if cfg.kind != "rowwise_adagrad":
             return
-        for name, n in zip(model_cfg.feature_names, model_cfg.num_embeddings):
+        features = range(len(model_cfg.feature_names)) if features is None else features
+        for name, n in ((model_cfg.feature_names[f], model_cfg.num_embeddings[f]) for f in features):
             t = pool.create_table(state_table_name(name), n, 1)
             if cfg.initial_accumulator:
                 t.view().fill_(cfg.initial_accumulator)

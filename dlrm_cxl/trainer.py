@@ -9,6 +9,7 @@ after a crash ends at the same step with the same state.
 from __future__ import annotations
 
 import copy
+import os
 import random
 import sys
 import time
@@ -48,6 +49,7 @@ class TrainOptions:
     checkpoint: str = "undo"           # undo | none
     dense_every: int = 1
     crash_at: tuple[int, str] | None = None
+    crash_rank: int = 0                # several ranks: which rank --crash-at kills
     threads: int | None = None
     skip_bad_lines: bool = False
     capacity_bytes: int | None = None
@@ -109,17 +111,25 @@ def build_dense_optimizer(cfg: ModelConfig, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=cfg.dense_lr)
 
 
-def _create_tables(pool: MemoryPool, cfg: ModelConfig, seed: int) -> None:
-    for f, (name, n) in enumerate(zip(cfg.feature_names, cfg.num_embeddings)):
-        # TorchRec's default init: uniform in [-sqrt(1/n), sqrt(1/n)]; seeded per table.
-        pool.create_table(name, n, cfg.embedding_dim, init="uniform", seed=seed * 1000 + f)
-    SparseOptimizer.create_state_tables(pool, cfg.embedding_optimizer, cfg)
+def _create_tables(pool: MemoryPool, cfg: ModelConfig, seed: int, features: list[int] | None = None) -> None:
+    features = list(range(len(cfg.feature_names))) if features is None else features
+    for f in features:
+        # TorchRec's default init: uniform in [-sqrt(1/n), sqrt(1/n)]; seeded per table, so a
+        # table is initialised identically whichever rank holds it.
+        pool.create_table(cfg.feature_names[f], cfg.num_embeddings[f], cfg.embedding_dim, init="uniform",
+                          seed=seed * 1000 + f)
+    SparseOptimizer.create_state_tables(pool, cfg.embedding_optimizer, cfg, features)
 
 
-def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Callable[[str], None]):
-    """Open (recovering first if needed) or create the pool. Returns (pool, cfg, recovery, created)."""
-    path = Path(o.pool)
-    if o.fresh and path.exists():
+def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Callable[[str], None],
+                       *, path: Path | None = None, features: list[int] | None = None, coordinator=None):
+    """Open (recovering first if needed) or create the pool. Returns (pool, cfg, recovery, created).
+
+    Several ranks: ``path`` is this rank's pool, ``features`` the tables it holds, and
+    ``coordinator.global_min`` agrees with the other ranks on the step to recover to.
+    """
+    path = Path(o.pool) if path is None else Path(path)
+    if o.fresh and coordinator is None and path.exists():
         destroy_pool(path)
         log(f"--fresh: removed the pool at {path}")
     if (path / "pool.json").exists():
@@ -141,9 +151,16 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
         if o.seed != meta.get("seed", o.seed):
             raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
         rep = None
-        if status["needs_recovery"]:
+        target = None
+        if coordinator is not None:
+            c = status["committed_step"]
+            g = coordinator.global_min(-1 if c is None else c)
+            if c is not None and g < c:
+                target = g
+                log(f"pool {path} committed step {c}, but not every rank did: rolling back to step {g}")
+        if status["needs_recovery"] or target is not None:
             log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
-            rep = recover(path, digest=False)
+            rep = recover(path, digest=False, target_step=target, rank_of_job=coordinator is not None)
             log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
                 f"{rep.rows_restored} rows, in {rep.seconds * 1e3:.1f} ms")
         pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
@@ -154,7 +171,7 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
     pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes,
                              dram_cache_bytes=o.dram_cache_bytes)
     try:
-        _create_tables(pool, cfg, o.seed)
+        _create_tables(pool, cfg, o.seed, features)
         pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, kind="dlrm-cxl-trainer")
     except BaseException:
         pool.close()
@@ -164,33 +181,59 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
 
 
 class Trainer:
+    """Trains one process's share. ``dist``: a :class:`~dlrm_cxl.distributed.DistContext` when
+    torchrun started several ranks (tables sharded table-wise, dense part data-parallel)."""
+
     def __init__(self, options: TrainOptions, model_cfg: ModelConfig | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, dist=None):
         validate_options(options)
         self.o = options
+        self.dist = dist
         self.log = log or (lambda s: print(s, flush=True))
+        if dist is not None and dist.rank != 0:
+            self.log = lambda s: None
         if options.threads:
             torch.set_num_threads(options.threads)
-        self.pool, self.cfg, self.recovery, created = open_training_pool(options, model_cfg, self.log)
+        if dist is None:
+            opened = open_training_pool(options, model_cfg, self.log)
+        else:
+            opened = self._open_rank_pool(model_cfg)
+        self.pool, self.cfg, self.recovery, created = opened
         try:
             self._build(created)
         except BaseException:
             self.pool.close()
             raise
 
+    def _open_rank_pool(self, model_cfg):
+        from .distributed import prepare_job_dir, rank_dir
+
+        d, o = self.dist, self.o
+        job = {"seed": o.seed, "data": o.data, "model": model_cfg.to_dict() if model_cfg else None}
+        exists = prepare_job_dir(o.pool, d, fresh=o.fresh, job=job, log=self.log)
+        if not exists and model_cfg is None:
+            raise ValueError("a new pool needs a model config (pass --preset)")
+        return open_training_pool(o, model_cfg, self.log, path=rank_dir(o.pool, d.rank),
+                                  features=d.features, coordinator=d)
+
     def _build(self, created: bool) -> None:
         o, cfg = self.o, self.cfg
         torch.manual_seed(o.seed)
-        self.model = PoolDLRM(cfg, self.pool, dense_device=o.device)
+        features = self.dist.features if self.dist is not None else None
+        self.model = PoolDLRM(cfg, self.pool, dense_device=o.device, features=features)
         self.dense_opt = build_dense_optimizer(cfg, self.model.parameters())
         self.sparse_opt = SparseOptimizer(cfg.embedding_optimizer, self.pool, self.model.tables)
         self.spec = data_spec(cfg)
         self.source = make_data_source(o.data, self.spec, seed=o.seed, skip_bad_lines=o.skip_bad_lines,
                                        alpha=o.zipf_alpha)
         self.crash = CrashPlan(*o.crash_at, seed=o.seed) if o.crash_at else None
+        if self.dist is not None and self.crash is not None and (
+                self.dist.rank != o.crash_rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+            self.crash = None  # only the chosen rank, and only once per job (not after a restart)
         self._positions: dict[int, dict | None] = {}
         ckpt_cls = UndoLogCheckpointer if o.checkpoint == "undo" else NoCheckpointer
-        self.ckpt = ckpt_cls(self.pool, self._dense_state, dense_every=o.dense_every, crash=self.crash)
+        extra = {"coordinator": self.dist} if self.dist is not None and o.checkpoint == "undo" else {}
+        self.ckpt = ckpt_cls(self.pool, self._dense_state, dense_every=o.dense_every, crash=self.crash, **extra)
         if created:
             self.step = 0
             self._positions[0] = None
@@ -207,7 +250,7 @@ class Trainer:
         return {
             "step": step,
             "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(_to_cpu(opt_state)),
+            "optimizer": _clone_tree(opt_state),
             "data_position": self._positions.get(step),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": np.random.get_state()},
@@ -223,10 +266,18 @@ class Trainer:
         self._positions = {self.step: state["data_position"]}
 
     def digest(self) -> str:
-        return state_digest(self.pool, self._dense_state(self.step))
+        """The state digest; with several ranks, the job's (the same on every rank)."""
+        mine = state_digest(self.pool, self._dense_state(self.step))
+        if self.dist is None:
+            return mine
+        from .distributed import combine_digests
+
+        return combine_digests(self.dist.gather_strings(mine))
 
     # -- one step
     def train_step(self, k: int, batch) -> float:
+        if self.dist is not None:
+            return self._train_step_sharded(k, batch)
         ck, model = self.ckpt, self.model
         with ck.step(k, final=(k == self.o.steps)):
             plan = model.plan(batch.sparse)
@@ -249,6 +300,36 @@ class Trainer:
             self.step = k
         return float(loss.detach())
 
+    def _train_step_sharded(self, k: int, batch) -> float:
+        """One step of a rank: see dlrm_cxl.distributed for the exchange."""
+        ck, model, d = self.ckpt, self.model, self.dist
+        local = d.local_slice(batch.labels.numel())
+        with ck.step(k, final=(k == self.o.steps)):
+            plan = model.plan(batch.sparse)            # this rank's tables, the whole batch
+            ck.log_before_image(self.sparse_opt.touched(plan))
+            pooled = d.pooled_to_samples(model.pooled(plan)).to(model.dense_device).requires_grad_(True)
+            logits = model.forward_pooled(batch.dense[local], pooled)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels[local].to(logits.device))
+            global_loss = d.mean(float(loss.detach()))
+            if not np.isfinite(global_loss):  # every rank sees the same value: all stop together
+                raise TrainingDivergedError(f"loss is {global_loss} at step {k}; the step was not applied")
+            self.dense_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            d.average_gradients(self.model.parameters())
+            # d(mean over the global batch)/d(pooled) = (1/W) * d(local mean)/d(pooled)
+            grad = d.grads_to_owners(pooled.grad / d.world)
+            updates = self.sparse_opt.compute(plan, grad)
+            ck.persist()
+            half = len(updates) // 2
+
+            def apply():
+                self.sparse_opt.apply(updates, between=lambda i: ck.hit("mid-update") if i == half - 1 else None)
+                self.dense_opt.step()
+
+            ck.update(apply)
+            self.step = k
+        return global_loss
+
     # -- the loop
     def run(self) -> TrainSummary:
         o = self.o
@@ -260,7 +341,7 @@ class Trainer:
         t0 = time.perf_counter()
         n = max(o.steps - start, 0)
         bar = None
-        if o.progress and n:
+        if o.progress and n and (self.dist is None or self.dist.rank == 0):
             from tqdm import tqdm
 
             bar = tqdm(total=o.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -317,14 +398,15 @@ class Trainer:
             self.pool.close()
 
 
-def _to_cpu(obj):
+def _clone_tree(obj):
+    """Copy every tensor (to CPU) of a nested dict/list; other leaves are immutable or copied."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
+        return {k: _clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone_tree(v) for v in obj)
+    return copy.copy(obj)
 
 
 @torch.no_grad()

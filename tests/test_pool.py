@@ -642,6 +642,23 @@ def test_power_sim_persist_writes_only_dirty_rows_to_the_file(tmp_pool_dir):
         ref[7] = 3.0
         assert torch.equal(on_disk(), ref)
         assert t.persist() == 0  # nothing dirty any more
+        t.write([8, 9], torch.full((2, DIM), 4.0))
+        assert t.persist([8]) == DIM * 4  # only row 8 ...
+        ref[8] = 4.0
+        assert torch.equal(on_disk(), ref)
+        assert t.persist() == DIM * 4  # ... so row 9 is still dirty, and persist() writes it
+        ref[9] = 4.0
+        assert torch.equal(on_disk(), ref)
+
+
+def test_table_file_is_fully_allocated_at_creation(tmp_path, tmp_pool_dir):
+    # So that a full disk fails create_table, never a later in-place update (SIGBUS).
+    for tier in DURABLE:
+        with MemoryPool.create(tmp_path / tier, tier=tier) as pool:
+            pool.create_table("t", 4096, 64)
+            st = (pool.storage_dir / "tables" / "t.bin").stat()
+            assert st.st_size == 4096 * 64 * 4
+            assert st.st_blocks * 512 >= st.st_size, tier
 
 
 # --------------------------------------------------------------------------- libpmem

@@ -1,0 +1,221 @@
+"""Baseline checkpointers that users would otherwise pick. FOR BENCHMARKS ONLY.
+
+They implement the :class:`~checkpointing.base.Checkpointer` interface so that the trainer can
+drive them exactly like :class:`~checkpointing.undo.UndoLogCheckpointer`
+(``tools/bench_checkpoint.py`` swaps them into a :class:`dlrm_cxl.trainer.Trainer`), but they
+are *not* recovery mechanisms of this project: ``recover`` / ``dlrm-cxl train`` know nothing
+about their files, they roll nothing back, and a crash between two of their checkpoints leaves
+the pool's rows changed in place (a user of these would restore the *whole* model from the file
+instead, losing every step since it was written).
+
+* :class:`FullSaveCheckpointer` -- what people do today: every ``every`` steps, synchronously
+  (on the critical path), ``torch.save`` the whole model (every pool table's rows, the
+  optimizer-state tables included, plus the dense state) to ``<storage_dir>/baseline/full.pt``,
+  durably: temporary name, fsync, rename, fsync of the directory.
+* :class:`IncrementalCheckpointer` -- Check-N-Run style: tracks the rows changed since its last
+  checkpoint (the union per table of the rows ``log_before_image`` is told about) and every
+  ``every`` steps writes only those rows' current values plus the dense state, durably, to
+  ``<storage_dir>/baseline/incr-<step>.pt``. Restoring needs a base (e.g. a full checkpoint,
+  or the pool's initial state) plus every increment after it, applied oldest first
+  (:func:`apply_increments`).
+
+Both are synchronous: a checkpoint finishes inside ``commit`` before the next step starts, so a
+crash loses at most the steps since the last multiple of ``every`` (``every - 1`` completed
+steps plus the unfinished one).
+
+Stats (:class:`~checkpointing.base.CheckpointStats`): ``critical_seconds`` is all the time spent
+in the checkpointer's calls (tracking rows, gathering, serialising, writing, fsync);
+``checkpoints`` counts files made durable; bytes made durable are split as
+
+* full: ``table_bytes_persisted`` = the tables' row bytes in the file, ``dense_bytes`` = the rest
+  of the file (dense state, pickle framing);
+* incremental: ``log_bytes`` = the changed rows (ids + values), ``dense_bytes`` = the rest of the
+  file.
+
+``max_commit_lag`` is measured like the undo checkpointer's: at each ``commit``, the steps since
+the newest durable checkpoint (here at most ``every - 1``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from memory_pool import MemoryPool
+from memory_pool._fs import fsync_dir, raise_if_full
+
+from .base import Checkpointer, CheckpointStats, Touched
+
+__all__ = ["FullSaveCheckpointer", "IncrementalCheckpointer", "durable_torch_save", "baseline_dir",
+           "load_full", "apply_increments"]
+
+DenseStateFn = Callable[[int], dict]
+
+
+def baseline_dir(pool: MemoryPool) -> Path:
+    """Where the baseline checkpointers write: ``<pool storage_dir>/baseline``."""
+    return Path(pool.storage_dir) / "baseline"
+
+
+def durable_torch_save(obj, path: Path) -> int:
+    """``torch.save(obj)`` to ``path`` so that a crash leaves the old or the new file:
+    temporary name, fsync, rename, fsync of the directory. Returns the file's size in bytes."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise_if_full(exc, f"writing {path}")
+    return size
+
+
+def _pool_tables(pool: MemoryPool) -> list:
+    return [pool.table(n) for n in pool.tables()]
+
+
+class _Synchronous(Checkpointer):
+    """Shared plumbing: no undo log; ``commit`` checkpoints every ``every`` steps, in line."""
+
+    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, every: int = 10, directory=None, **_):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        self.pool = pool
+        self.dense_state = dense_state
+        self.every = every
+        self.dir = Path(directory) if directory is not None else baseline_dir(pool)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stats = CheckpointStats()
+        self._step: int | None = None
+        self._last_ckpt: int | None = None   # newest step made durable by this checkpointer
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+
+    def log_before_image(self, touched: Touched) -> None:
+        pass
+
+    def persist(self) -> None:
+        pass
+
+    def update(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def commit(self, step: int, *, final: bool = False) -> None:
+        t0 = time.perf_counter()
+        self.stats.steps += 1
+        if final or step % self.every == 0:
+            self.checkpoint_now(step)
+        base = self._last_ckpt if self._last_ckpt is not None else 0
+        self.stats.max_commit_lag = max(self.stats.max_commit_lag, step - base)
+        self.stats.critical_seconds += time.perf_counter() - t0
+        self._step = None
+
+    def checkpoint_now(self, step: int) -> None:
+        self._write(step)
+        self._last_ckpt = step
+        self.stats.checkpoints += 1
+        self.stats.last_commit_step = step
+
+    def _write(self, step: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class FullSaveCheckpointer(_Synchronous):
+    """Every ``every`` steps: a durable ``torch.save`` of every table and the dense state.
+    FOR BENCHMARKS ONLY (see the module docstring)."""
+
+    name = "full"
+    FILE = "full.pt"
+
+    @property
+    def path(self) -> Path:
+        return self.dir / self.FILE
+
+    def _write(self, step: int) -> None:
+        tables = {t.name: t.view() for t in _pool_tables(self.pool)}  # saved straight from the pool
+        table_bytes = sum(v.numel() * v.element_size() for v in tables.values())
+        size = durable_torch_save({"step": step, "tables": tables, "dense": self.dense_state(step)}, self.path)
+        self.stats.table_bytes_persisted += table_bytes
+        self.stats.dense_bytes += size - table_bytes
+
+
+class IncrementalCheckpointer(_Synchronous):
+    """Every ``every`` steps: the rows changed since the last checkpoint + the dense state.
+    FOR BENCHMARKS ONLY (see the module docstring).
+
+    ``keep_files=False`` deletes each increment once the next one is durable (benchmarks that
+    only measure the cost and must not fill the disk); a real user keeps them all.
+    """
+
+    name = "incremental"
+
+    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, every: int = 10, directory=None,
+                 keep_files: bool = True, **kw):
+        super().__init__(pool, dense_state, every=every, directory=directory, **kw)
+        self.keep_files = keep_files
+        self._changed: dict[str, list[torch.Tensor]] = {}
+        self._tables: dict[str, object] = {}
+        self._prev_file: Path | None = None
+
+    def log_before_image(self, touched: Touched) -> None:
+        t0 = time.perf_counter()
+        for table, rows in touched:
+            self._changed.setdefault(table.name, []).append(rows)
+            self._tables[table.name] = table
+        self.stats.critical_seconds += time.perf_counter() - t0
+
+    def _write(self, step: int) -> None:
+        rows: dict[str, dict[str, torch.Tensor]] = {}
+        row_bytes = 0
+        for name, parts in self._changed.items():
+            ids = torch.unique(torch.cat(parts)) if len(parts) > 1 else parts[0]
+            vals = self._tables[name].view().index_select(0, ids)
+            rows[name] = {"ids": ids, "values": vals}
+            row_bytes += ids.numel() * ids.element_size() + vals.numel() * vals.element_size()
+        path = self.dir / f"incr-{step:012d}.pt"
+        size = durable_torch_save({"step": step, "rows": rows, "dense": self.dense_state(step)}, path)
+        self._changed = {}
+        self.stats.log_bytes += row_bytes
+        self.stats.dense_bytes += size - row_bytes
+        if not self.keep_files and self._prev_file is not None and self._prev_file != path:
+            try:
+                self._prev_file.unlink()
+            except OSError:
+                pass
+        self._prev_file = path
+
+    def abort(self) -> None:
+        # The failed step's rows were recorded as changed; if they were not, writing their
+        # current values again is harmless. Nothing to undo in memory: no before-images here.
+        self._step = None
+
+
+def load_full(path) -> dict:
+    """``torch.load`` of a :class:`FullSaveCheckpointer` file: ``{"step", "tables", "dense"}``."""
+    return torch.load(path, weights_only=False)
+
+
+def apply_increments(pool: MemoryPool, paths: Iterable) -> dict | None:
+    """Apply :class:`IncrementalCheckpointer` files to ``pool``'s tables, oldest first (the pool
+    must already hold the base they were taken against). Returns the newest file's dense state."""
+    dense = None
+    for p in sorted(Path(x) for x in paths):
+        doc = torch.load(p, weights_only=False)
+        for name, r in doc["rows"].items():
+            pool.table(name)._scatter(r["ids"], r["values"])
+        dense = doc["dense"]
+    return dense

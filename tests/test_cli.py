@@ -1,0 +1,342 @@
+"""The ``dlrm-cxl`` command line: in-process ``main(argv)`` and as real processes
+(``python -m dlrm_cxl`` and the ``dlrm-cxl`` console script of the venv).
+
+Exit codes (dlrm_cxl/cli.py): 0 ok; 1 unexpected; 2 bad arguments/input; 3 not a pool; 4 damage;
+5 locked; 6 full; 7 malformed data; 8 diverged. Bad input must give a message and a hint on
+stderr, never a traceback: in-process, any exception escaping ``main`` fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlrm_cxl.cli import main
+from memory_pool import MemoryPool, destroy_pool
+
+DATA = Path(__file__).resolve().parent / "data"
+TSV = DATA / "criteo_sample_100.tsv"
+CONSOLE_SCRIPT = Path(sys.executable).parent / "dlrm-cxl"
+DIGEST_RE = re.compile(r"^state_digest ([0-9a-f]{64})$", re.M)
+TINY = ["--preset", "tiny", "--threads", "1", "--no-progress"]
+
+
+def run_main(*argv) -> tuple[int, str, str]:
+    """main(argv) with stdout/stderr captured; returns (code, out, err)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    assert isinstance(code, int)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_cli(*argv, console_script=False, timeout=120) -> subprocess.CompletedProcess:
+    """The CLI as a real process (python -m dlrm_cxl, or the console script), outside the repo."""
+    cmd = [str(CONSOLE_SCRIPT)] if console_script else [sys.executable, "-m", "dlrm_cxl"]
+    return subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True, timeout=timeout,
+                          cwd="/", env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def assert_clean_error(code, err, expected_code, *needles):
+    assert code == expected_code, err
+    assert "Traceback" not in err, err
+    assert "error" in err, err
+    assert "hint" in err or "usage:" in err, err  # argparse errors: the usage line is the hint
+    for n in needles:
+        assert n in err, (n, err)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny pool trained for 60 steps through main(): (pool, stdout, stderr, digest)."""
+    pool = tmp_path_factory.mktemp("cli") / "pool"
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 60)
+    assert code == 0, err
+    m = DIGEST_RE.search(out)
+    assert m, out
+    yield pool, out, err, m.group(1)
+    if (pool / "pool.json").exists():
+        destroy_pool(pool)
+
+
+# --------------------------------------------------------------------------- argument handling
+
+
+def test_main_returns_codes_for_help_and_bad_args_instead_of_exiting(capsys):
+    assert main(["--help"]) == 0
+    assert "train" in capsys.readouterr().out
+    assert main(["train", "--help"]) == 0
+    assert "--steps" in capsys.readouterr().out
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["train", "--steps", "many"]) == 2
+    code = main(["train", "--preset", "huge"])
+    err = capsys.readouterr().err
+    assert_clean_error(code, err, 2, "--preset", "invalid choice", "tiny")
+
+
+@pytest.mark.parametrize("spec", ["abc", "x:after-log", "0:after-log", "3:nowhere"])
+def test_bad_crash_at_syntax_is_exit_2_with_a_hint(tmp_path, spec):
+    code, _, err = run_main("train", "--pool", tmp_path / "p", *TINY, "--steps", 2, "--crash-at", spec)
+    assert_clean_error(code, err, 2, "--crash-at")
+    assert not (tmp_path / "p").exists()
+
+
+def test_negative_steps_is_exit_2(tmp_path):
+    code, _, err = run_main("train", "--pool", tmp_path / "p", *TINY, "--steps", -1)
+    assert_clean_error(code, err, 2, "--steps")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_exit_2(tmp_path):
+    code, _, err = run_main("train", "--pool", tmp_path / "p", *TINY, "--steps", 1, "--device", "cuda")
+    assert_clean_error(code, err, 2, "CUDA")
+
+
+# --------------------------------------------------------------------------- train / inspect / eval
+
+
+def test_train_inspect_eval_in_process(trained):
+    pool, out, err, digest = trained
+    # banner: the tier and what it survives
+    assert re.search(r"tier pmem: survives power loss", out), out
+    assert "step 0 -> 60" in out
+    assert re.search(r"^done: step 60 \(60 steps this run, 3840 samples", out, re.M), out
+    assert re.search(r"^loss \(mean of last 10 steps\): \d+\.\d{4}$", out, re.M), out
+    assert "Traceback" not in err
+
+    code, text, _ = run_main("inspect", "--pool", pool)
+    assert code == 0
+    assert "tier pmem: survives power loss" in text
+    assert "tables: 52," in text and re.search(r"^  cat_25 +1000 x 8 +float32$", text, re.M), text
+    assert "step reached (committed): 60" in text
+    assert DIGEST_RE.search(text).group(1) == digest
+
+    code, js, _ = run_main("inspect", "--pool", pool, "--json")
+    assert code == 0
+    info = json.loads(js)
+    assert info["tier"] == "pmem" and "power loss" in info["durability"]
+    assert info["step"] == 60 and info["state_digest"] == digest
+    assert len(info["tables"]) == 52
+    assert {t["name"] for t in info["tables"]} >= {f"cat_{i}" for i in range(26)}
+
+    # held-out synthetic data of the training distribution: the model has learnt something
+    code, js, _ = run_main("eval", "--pool", pool, "--json", "--batches", 8)
+    assert code == 0
+    res = json.loads(js)
+    assert res["samples"] == 8 * 64
+    assert math.isfinite(res["logloss"]) and res["logloss"] < 0.69
+    assert res["auc"] > 0.6, res
+
+    # --json summary; the pool is at --steps already: nothing runs, the digest is unchanged
+    code, js, err2 = run_main("train", "--pool", pool, "--steps", 60, "--threads", 1, "--json")
+    assert code == 0
+    summary = json.loads(js)  # stdout is exactly the JSON; the banner went to stderr
+    assert (summary["start_step"], summary["end_step"], summary["steps_run"]) == (60, 60, 0)
+    assert summary["state_digest"] == digest and summary["tier"] == "pmem"
+    assert "tier pmem" in err2
+
+
+def test_flags_on_an_existing_pool_are_checked_against_its_own_config(trained):
+    pool = trained[0]
+    code, _, err = run_main("train", "--pool", pool, "--steps", 60, "--lr", 0.5)
+    assert_clean_error(code, err, 2, "embedding_optimizer", "--fresh")
+    assert "num_embeddings" not in err  # the lr differs, not the preset
+    code, _, err = run_main("train", "--pool", pool, "--steps", 60, "--preset", "small")
+    assert_clean_error(code, err, 2, "num_embeddings")
+
+
+def test_real_processes_train_inspect_and_crash(tmp_path):
+    pool = tmp_path / "pool"
+    p = run_cli("train", "--pool", pool, *TINY, "--steps", 3)
+    assert p.returncode == 0, p.stderr
+    assert "tier pmem: survives power loss" in p.stdout
+    assert re.search(r"^done: step 3 \(3 steps this run", p.stdout, re.M), p.stdout
+    digest = DIGEST_RE.search(p.stdout).group(1)
+    assert "Traceback" not in p.stderr
+
+    p = run_cli("inspect", "--pool", pool, "--json", console_script=True)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert (info["step"], info["state_digest"], info["tier"]) == (3, digest, "pmem")
+
+    # SIGKILL in the middle of step 5: eval and export refuse the half-done pool until it is recovered
+    p = run_cli("train", "--pool", pool, "--steps", 8, "--threads", 1, "--no-progress",
+                "--crash-at", "5:after-update", console_script=True)
+    assert p.returncode == -9, (p.returncode, p.stderr)
+    code, _, err = run_main("export", "--pool", pool, "--out", tmp_path / "x.pt")
+    assert_clean_error(code, err, 2, "needs recovery", "dlrm-cxl recover")
+    assert not (tmp_path / "x.pt").exists()
+    code, _, err = run_main("eval", "--pool", pool, "--json")
+    assert_clean_error(code, err, 2, "needs recovery", "dlrm-cxl recover")
+    code, out, _ = run_main("recover", "--pool", pool, "--json")
+    assert code == 0
+    rep = json.loads(out)
+    assert 3 <= rep["committed_step"] < 5 and 5 in rep["rolled_back_steps"]
+    assert run_main("export", "--pool", pool, "--out", tmp_path / "x.pt")[0] == 0
+
+
+def test_locked_pool_is_exit_5(trained):
+    pool = trained[0]
+    with MemoryPool.open(pool):  # this process is the writer
+        p = run_cli("train", "--pool", pool, "--steps", 60, "--no-progress", console_script=True)
+    assert_clean_error(p.returncode, p.stderr, 5, "locked")
+
+
+# --------------------------------------------------------------------------- export / import / convert
+
+
+def test_export_loads_into_torchrec_dlrm_and_import_recreates_the_tables(trained, tmp_path):
+    from dlrm_cxl.data import SyntheticData
+    from dlrm_cxl.model import PRESETS, PoolDLRM, torchrec_dlrm
+    from dlrm_cxl.trainer import data_spec
+
+    pool, *_ = trained
+    out = tmp_path / "dlrm.pt"
+    code, text, _ = run_main("export", "--pool", pool, "--out", out)
+    assert code == 0 and str(out) in text
+    state = torch.load(out, weights_only=True)
+    cfg = PRESETS["tiny"]
+    dlrm = torchrec_dlrm(cfg)
+    dlrm.load_state_dict(state, strict=True)
+
+    # the TorchRec model computes what the pool model computes
+    batch = SyntheticData(data_spec(cfg), seed=5).batch(0)
+    with MemoryPool.open(pool, read_only=True) as p, torch.no_grad():
+        from checkpointing import read_commit, read_dense
+        from checkpointing.store import ckpt_dir
+
+        model = PoolDLRM(cfg, p)
+        d = ckpt_dir(p.storage_dir)
+        model.load_state_dict(read_dense(d / read_commit(d)["dense_file"])["model"])
+        ours = model(batch.dense, model.plan(batch.sparse))[0]
+        theirs = dlrm(batch.dense, batch.sparse).squeeze(-1)
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+        src_tables = {f"cat_{i}": p.table(f"cat_{i}").view().clone() for i in range(26)}
+
+    new = tmp_path / "imported"
+    code, _, err = run_main("import", "--pool", new, "--state", out, "--preset", "tiny")
+    assert code == 0, err
+    with MemoryPool.open(new, read_only=True) as q:
+        for name, w in src_tables.items():
+            assert q.table(name).view().numpy().tobytes() == w.numpy().tobytes(), name
+    code, js, _ = run_main("inspect", "--pool", new, "--json")
+    assert code == 0 and json.loads(js)["step"] == 0
+    # same weights -> same predictions -> same eval
+    a = json.loads(run_main("eval", "--pool", pool, "--json")[1])
+    b = json.loads(run_main("eval", "--pool", new, "--json")[1])
+    assert a == b
+
+
+def test_import_of_a_state_that_does_not_fit_is_exit_2_and_creates_nothing(trained, tmp_path):
+    out = tmp_path / "dlrm.pt"
+    assert run_main("export", "--pool", trained[0], "--out", out)[0] == 0
+    code, _, err = run_main("import", "--pool", tmp_path / "p", "--state", out)  # default preset small
+    assert_clean_error(code, err, 2, "--preset tiny")
+    assert not (tmp_path / "p").exists()
+    code, _, err = run_main("import", "--pool", tmp_path / "p", "--state", tmp_path / "missing.pt",
+                            "--preset", "tiny")
+    assert_clean_error(code, err, 2, "missing.pt")
+    (tmp_path / "junk.pt").write_text("not a torch file")
+    code, _, err = run_main("import", "--pool", tmp_path / "p", "--state", tmp_path / "junk.pt",
+                            "--preset", "tiny")
+    assert_clean_error(code, err, 2, "junk.pt")
+    assert not (tmp_path / "p").exists()
+
+
+def test_data_convert_writes_a_zarr_that_trains_like_the_tsv(tmp_path):
+    z = tmp_path / "sample.zarr"
+    code, out, err = run_main("data", "convert", TSV, z, "--preset", "tiny", "--chunk-rows", 30)
+    assert code == 0, err
+    stats = json.loads(out)
+    assert (stats["rows"], stats["skipped"]) == (100, 0)
+    flags = [*TINY, "--batch-size", 32, "--steps", 5]
+    code, out_z, err = run_main("train", "--pool", tmp_path / "pz", "--data", z, *flags)
+    assert code == 0, err
+    assert "epochs wrapped" in out_z
+    code, out_t, err = run_main("train", "--pool", tmp_path / "pt", "--data", TSV, *flags)
+    assert code == 0, err
+    assert DIGEST_RE.search(out_z).group(1) == DIGEST_RE.search(out_t).group(1)
+
+
+# --------------------------------------------------------------------------- bad pools and data
+
+
+def test_inspect_of_a_directory_that_is_not_a_pool_is_exit_3(tmp_path):
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_main("inspect", "--pool", tmp_path / "empty")
+    assert_clean_error(code, err, 3, "not a pool")
+    code, _, err = run_main("inspect", "--pool", tmp_path / "nowhere")
+    assert_clean_error(code, err, 3, "not a pool")
+
+
+def test_capacity_too_small_is_exit_6_with_a_capacity_hint(tmp_path):
+    code, _, err = run_main("train", "--pool", tmp_path / "p", *TINY, "--steps", 1, "--capacity", "64K")
+    assert_clean_error(code, err, 6, "--capacity")
+    assert not (tmp_path / "p" / "pool.json").exists()
+
+
+def test_corrupt_header_is_exit_4(tmp_path):
+    pool = tmp_path / "p"
+    assert run_main("train", "--pool", pool, *TINY, "--steps", 1)[0] == 0
+    header = pool / "pool.json"
+    doc = json.loads(header.read_text())
+    doc["capacity_bytes"] = 12345  # valid JSON, wrong checksum
+    header.write_text(json.dumps(doc))
+    for argv in (["inspect"], ["eval"], ["train", "--steps", 2, "--no-progress"]):
+        code, _, err = run_main(*argv, "--pool", pool)
+        assert_clean_error(code, err, 4, "checksum")
+    header.write_bytes(header.read_bytes()[:40])  # truncated
+    code, _, err = run_main("inspect", "--pool", pool)
+    assert_clean_error(code, err, 4, "pool.json")
+
+
+def _bad_tsv(tmp_path) -> Path:
+    lines = TSV.read_bytes().splitlines(keepends=True)
+    bad = tmp_path / "bad.tsv"
+    fields = lines[36].split(b"\t")
+    fields[14] = b"not-hex!"  # C1 of line 37
+    bad.write_bytes(b"".join(lines[:36]) + b"\t".join(fields) + b"".join(lines[36:]))
+    return bad
+
+
+def test_malformed_tsv_line_is_exit_7_naming_file_and_line(tmp_path):
+    bad = _bad_tsv(tmp_path)
+    code, _, err = run_main("train", "--pool", tmp_path / "p", *TINY, "--batch-size", 32, "--steps", 3,
+                            "--data", bad)
+    assert_clean_error(code, err, 7, "bad.tsv:37:", "--skip-bad-lines")
+    code, _, err = run_main("data", "convert", bad, tmp_path / "o.zarr", "--preset", "tiny")
+    assert_clean_error(code, err, 7, "bad.tsv:37:")
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_skip_bad_lines_skips_and_counts(tmp_path):
+    bad = _bad_tsv(tmp_path)  # the sample with one extra, malformed line
+    flags = [*TINY, "--batch-size", 32, "--steps", 3, "--json"]
+    code, out, err = run_main("train", "--pool", tmp_path / "skip", "--data", bad, "--skip-bad-lines", *flags)
+    assert code == 0, err
+    skipped = json.loads(out)
+    assert skipped["skipped_lines"] >= 1
+    code, out, err = run_main("train", "--pool", tmp_path / "clean", "--data", TSV, *flags)
+    assert code == 0, err
+    clean = json.loads(out)
+    assert clean["skipped_lines"] == 0
+    assert skipped["state_digest"] == clean["state_digest"]  # the same rows were trained on
+    code, out, _ = run_main("data", "convert", bad, tmp_path / "o.zarr", "--preset", "tiny", "--skip-bad-lines")
+    assert code == 0 and json.loads(out)["skipped"] == 1 and json.loads(out)["rows"] == 100
+
+
+def test_diverged_training_is_exit_8(tmp_path):
+    code, _, err = run_main("train", "--pool", tmp_path / "p", *TINY, "--steps", 10,
+                            "--dense-optimizer", "sgd", "--dense-lr", "1e30")
+    assert_clean_error(code, err, 8, "loss is", "learning rate")

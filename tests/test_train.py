@@ -1,0 +1,252 @@
+"""The trainer through its Python API (preset ``tiny``, pools under tmp_path).
+
+Every comparison of two runs is by ``state_digest`` (all table rows, optimizer rows, dense
+parameters and dense optimizer state, bit for bit); all runs use one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from checkpointing import checkpoint_status, recover
+from dlrm_cxl.data import SyntheticData, convert_tsv_to_zarr
+from dlrm_cxl.model import PRESETS
+from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec, evaluate
+from memory_pool import ConfigMismatchError, MemoryPool, TrainingDivergedError, destroy_pool
+
+DATA = Path(__file__).resolve().parent / "data"
+TSV = DATA / "criteo_sample_100.tsv"
+TSV_HELDOUT = DATA / "criteo_rows_101_200.tsv"
+
+TINY = PRESETS["tiny"]
+TINY32 = replace(TINY, batch_size=32)  # the 100-row sample wraps after 4 batches
+
+
+def train(pool, steps, cfg=TINY, **kw):
+    """Run a Trainer to ``steps`` (total); returns (summary, state_digest)."""
+    opts = TrainOptions(pool=str(pool), steps=steps, threads=1, progress=False, **kw)
+    tr = Trainer(opts, cfg, log=lambda s: None)
+    try:
+        summary = tr.run()
+        digest = tr.digest()
+    finally:
+        tr.close()
+    return summary, digest
+
+
+class _HeldOut:
+    """Synthetic samples from the training distribution (same seed) that no short run reads:
+    batches 10**6 onward."""
+
+    def __init__(self, cfg, seed=0):
+        self.src = SyntheticData(data_spec(cfg), seed=seed)
+
+    def iter_batches(self, position=None):
+        return self.src.iter_batches({"batch": 10**6})
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_loss_falls_and_heldout_auc_rises_on_synthetic_data(tmp_pool_dir):
+    # First run: steps 1..10 -> its summary's final_loss is the mean loss of the first 10 steps.
+    first, _ = train(tmp_pool_dir, 10)
+    assert first.steps_run == 10 and first.final_loss is not None
+    # AUC of the model at step 0 (a fresh pool with the same seed holds the step-0 state).
+    tr0 = Trainer(TrainOptions(pool=str(tmp_pool_dir.parent / "p0"), steps=0, threads=1, progress=False),
+                  TINY, log=lambda s: None)
+    try:
+        auc0 = evaluate(tr0.model, _HeldOut(TINY), 8)["auc"]
+    finally:
+        tr0.close()
+    tr = Trainer(TrainOptions(pool=str(tmp_pool_dir), steps=60, threads=1, progress=False), TINY,
+                 log=lambda s: None)
+    try:
+        last = tr.run()
+        res = evaluate(tr.model, _HeldOut(TINY), 8)
+    finally:
+        tr.close()
+    assert last.start_step == 10 and last.end_step == 60
+    assert last.final_loss < first.final_loss - 0.05, (first.final_loss, last.final_loss)
+    assert abs(auc0 - 0.5) < 0.1, auc0
+    assert res["auc"] > 0.6, res
+    assert math.isfinite(res["logloss"]) and res["samples"] == 8 * TINY.batch_size
+
+
+def test_trainer_evaluate_on_default_heldout_synthetic_data_sees_the_learning(tmp_pool_dir):
+    """``Trainer.evaluate`` (and --eval-every) default to "held-out synthetic" data: it must come
+    from the distribution the model was trained on, or its AUC says nothing."""
+    tr = Trainer(TrainOptions(pool=str(tmp_pool_dir), steps=60, threads=1, progress=False), TINY,
+                 log=lambda s: None)
+    try:
+        tr.run()
+        ours = evaluate(tr.model, _HeldOut(TINY), 8)["auc"]
+        theirs = tr.evaluate(8)["auc"]
+    finally:
+        tr.close()
+    assert ours > 0.6
+    assert theirs > 0.6, f"Trainer.evaluate held-out AUC {theirs:.3f}, same-distribution held-out {ours:.3f}"
+
+
+# --------------------------------------------------------------------------- determinism / resume
+
+
+def test_same_seed_same_digest_other_seed_other_digest(tmp_path):
+    _, a = train(tmp_path / "a", 8, seed=0)
+    _, b = train(tmp_path / "b", 8, seed=0)
+    _, c = train(tmp_path / "c", 8, seed=1)
+    assert a == b
+    assert c != a
+
+
+def test_steps_is_the_total_and_rerunning_does_nothing(tmp_path):
+    _, straight = train(tmp_path / "straight", 10)
+    s5, d5 = train(tmp_path / "p", 5)
+    assert (s5.start_step, s5.end_step, s5.steps_run) == (0, 5, 5)
+    s10, d10 = train(tmp_path / "p", 10)
+    assert (s10.start_step, s10.end_step, s10.steps_run) == (5, 10, 5)
+    assert d10 == straight and d5 != d10
+    again, d_again = train(tmp_path / "p", 10)
+    assert (again.start_step, again.end_step, again.steps_run, again.samples) == (10, 10, 0, 0)
+    assert d_again == straight
+    # a smaller total than the pool's step neither trains nor goes back
+    less, d_less = train(tmp_path / "p", 3)
+    assert (less.end_step, less.steps_run) == (10, 0) and d_less == straight
+
+
+# --------------------------------------------------------------------------- real data
+
+
+def test_train_on_criteo_tsv_wraps_epochs_then_eval_is_finite(tmp_pool_dir):
+    s, _ = train(tmp_pool_dir, 5, cfg=TINY32, data=str(TSV))
+    assert s.end_step == 5 and s.samples == 5 * 32
+    assert s.epochs is not None and s.epochs >= 1  # 160 rows read from a 100-row file
+    assert s.final_loss is not None and math.isfinite(s.final_loss)
+    tr = Trainer(TrainOptions(pool=str(tmp_pool_dir), steps=5, data=str(TSV), threads=1, progress=False),
+                 None, log=lambda s: None)
+    try:
+        for res in (tr.evaluate(3), tr.evaluate(3, data=str(TSV_HELDOUT))):
+            assert math.isfinite(res["auc"]) and 0.0 <= res["auc"] <= 1.0, res
+            assert math.isfinite(res["logloss"]) and res["logloss"] > 0, res
+            assert res["samples"] == 96
+    finally:
+        tr.close()
+
+
+def test_zarr_converted_from_tsv_trains_to_the_same_digest(tmp_path):
+    z = tmp_path / "sample.zarr"
+    stats = convert_tsv_to_zarr(TSV, z, data_spec(TINY32), chunk_rows=30)  # batches span chunks
+    assert stats["rows"] == 100 and stats["skipped"] == 0
+    s_tsv, d_tsv = train(tmp_path / "from_tsv", 7, cfg=TINY32, data=str(TSV))
+    s_zarr, d_zarr = train(tmp_path / "from_zarr", 7, cfg=TINY32, data=str(z))
+    assert s_zarr.epochs == s_tsv.epochs == 2  # 224 rows
+    assert d_zarr == d_tsv
+
+
+@pytest.mark.parametrize("kind", ["tsv", "zarr"])
+def test_data_position_is_restored_on_resume(tmp_path, kind):
+    data = TSV
+    if kind == "zarr":
+        data = tmp_path / "d.zarr"
+        convert_tsv_to_zarr(TSV, data, data_spec(TINY32), chunk_rows=30)
+    _, straight = train(tmp_path / "straight", 8, cfg=TINY32, data=str(data))
+    s4, _ = train(tmp_path / "p", 4, cfg=TINY32, data=str(data))
+    s8, resumed = train(tmp_path / "p", 8, cfg=TINY32, data=str(data))
+    assert (s8.start_step, s8.end_step) == (4, 8)
+    assert resumed == straight
+
+
+# --------------------------------------------------------------------------- divergence
+
+
+DIVERGE = replace(TINY, dense_optimizer="sgd", dense_lr=1e30)
+
+
+def _inspect(pool):
+    from checkpointing import read_dense, state_digest
+    from checkpointing.store import ckpt_dir
+
+    with MemoryPool.open(pool, read_only=True) as p:
+        st = checkpoint_status(p)
+        digest = None
+        if st["committed_step"] is not None and not st["needs_recovery"]:
+            digest = state_digest(p, read_dense(ckpt_dir(p.storage_dir) / st["dense_file"]))
+    return st, digest
+
+
+def test_nan_loss_raises_and_the_pool_keeps_the_last_good_step(tmp_pool_dir):
+    s1, d1 = train(tmp_pool_dir, 1, cfg=DIVERGE)  # step 1's loss is finite; its update explodes
+    with pytest.raises(TrainingDivergedError) as ei:
+        train(tmp_pool_dir, 20, cfg=DIVERGE)
+    assert "step 2" in str(ei.value) and ei.value.exit_code == 8
+    st, _ = _inspect(tmp_pool_dir)
+    assert st["committed_step"] == 1
+    rep = recover(tmp_pool_dir)  # whatever is there, it brings back exactly step 1
+    assert rep.committed_step == 1 and rep.state_digest == d1
+
+
+def test_nan_loss_leaves_nothing_to_roll_back(tmp_pool_dir):
+    """The diverged step applied nothing, so the pool is consistent at the step before it."""
+    _, d1 = train(tmp_pool_dir, 1, cfg=DIVERGE)
+    with pytest.raises(TrainingDivergedError):
+        train(tmp_pool_dir, 20, cfg=DIVERGE)
+    st, digest = _inspect(tmp_pool_dir)
+    assert (st["committed_step"], st["needs_recovery"], st["steps_to_roll_back"]) == (1, False, [])
+    assert digest == d1
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_other_preset_is_a_config_mismatch_and_fresh_starts_over(tmp_path):
+    pool = tmp_path / "p"
+    train(pool, 3)
+    with pytest.raises(ConfigMismatchError) as ei:
+        train(pool, 5, cfg=PRESETS["small"])
+    assert ei.value.exit_code == 2 and "--fresh" in ei.value.hint
+    with pytest.raises(ConfigMismatchError, match="batch_size"):
+        train(pool, 5, cfg=TINY32)
+    with pytest.raises(ConfigMismatchError):
+        train(pool, 5, seed=7)
+    with pytest.raises(ConfigMismatchError):
+        train(pool, 5, data=str(TSV))
+    # the pool is untouched by the refused runs
+    s, _ = train(pool, 3)
+    assert s.end_step == 3 and s.steps_run == 0
+    fresh, d_fresh = train(pool, 4, cfg=TINY32, fresh=True)
+    assert (fresh.start_step, fresh.end_step, fresh.steps_run) == (0, 4, 4)
+    _, d_new = train(tmp_path / "new", 4, cfg=TINY32)
+    assert d_fresh == d_new
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_dram_cache_smaller_than_the_tables_gives_the_same_digest(tmp_path):
+    budget = 8000  # cat_0 (1000 x 8 fp32 = 32 kB) gets a ~80-row cache; no table fits whole
+    _, plain = train(tmp_path / "plain", 10)
+    s5, _ = train(tmp_path / "cached", 5, dram_cache_bytes=budget)
+    s10, cached = train(tmp_path / "cached", 10, dram_cache_bytes=budget)  # reopened with a cache
+    assert cached == plain
+    with MemoryPool.open(tmp_path / "cached", dram_cache_bytes=budget) as p:
+        info = p.describe()
+    assert any(t["cached"] and 0 < t["cache_rows"] < t["num_embeddings"] for t in info["tables"])
+
+
+def test_pmem_shm_and_power_sim_tiers_train_to_the_same_digest(tmp_path):
+    digests = {}
+    for tier in ("pmem", "shm", "power-sim"):
+        pool = tmp_path / tier
+        try:
+            s, digests[tier] = train(pool, 6, tier=tier)
+            assert s.tier == tier and s.durability
+            s2, again = train(pool, 8, tier=tier)  # reopen and continue on the same tier
+            digests[tier] = (digests[tier], again)
+        finally:
+            if (pool / "pool.json").exists():
+                destroy_pool(pool)
+    assert len(set(digests.values())) == 1, digests
