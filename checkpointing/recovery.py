@@ -80,6 +80,12 @@ def _load_verified(pool: MemoryPool, target: int | None = None):
             f"place after step {commit['step'] if commit else 0} cannot be rolled back",
             hint="start over with `dlrm-cxl train --fresh`, or restore the pool from a copy")
     if commit is None:
+        sealed = sorted(s.step for s in scan_slots(d / "undo") if s.state == "sealed")
+        if sealed:
+            # Step 0 is committed before any step runs, so logged steps without a commit record
+            # mean the record was lost: their rows cannot be brought back to a known state.
+            raise RecoveryError(f"commit record {d / 'COMMIT'} is missing, but the undo log holds steps "
+                                f"{sealed}: the commit record was lost")
         return None, None, []
     if target is not None and target > commit["step"]:
         raise RecoveryError(f"cannot recover to step {target}: this pool committed only step {commit['step']}")
@@ -112,7 +118,8 @@ def _load_verified(pool: MemoryPool, target: int | None = None):
             if r.table not in pool:
                 raise RecoveryError(f"undo log of step {s.step} names unknown table {r.table!r}")
             t = pool.table(r.table)
-            if r.before.shape[1] != t.config.row_bytes or (r.ids.numel() and int(r.ids.max()) >= t.num_embeddings):
+            if r.before.shape[1] != t.config.row_bytes or (
+                    r.ids.numel() and (int(r.ids.max()) >= t.num_embeddings or int(r.ids.min()) < 0)):
                 raise RecoveryError(f"undo log of step {s.step}: record for {r.table!r} does not fit the table")
         todo.append((s, records))
     if "rewrite_from" in commit:

@@ -134,8 +134,13 @@ def write_slot(path: Path, step: int, records: list[UndoRecord],
 def _read_seal(path: Path) -> SlotInfo:
     with open(path, "rb") as f:
         raw = f.read(SEAL.size)
-    if len(raw) < SEAL.size or raw == b"\0" * SEAL.size:
+    if not raw or raw == b"\0" * SEAL.size:
         return SlotInfo(path, "empty")
+    if len(raw) < SEAL.size:
+        # write_slot writes the payload at PAYLOAD_OFFSET first, so a slot that was ever written
+        # is either empty (created, nothing written yet) or longer than the seal. A shorter file
+        # is a truncated one, whose seal may have covered rows changed in place: damage.
+        return SlotInfo(path, "damaged", problem=f"{path.name}: truncated to {len(raw)} bytes (seal cut off)")
     magic, step, plen, nrec, _, crc = SEAL.unpack(raw)
     if magic != SEAL_MAGIC or zlib.crc32(raw[:-4]) != crc:
         return SlotInfo(path, "damaged", problem=f"{path.name}: seal fails its checksum")

@@ -220,13 +220,27 @@ class UndoLogCheckpointer(Checkpointer):
         self.hit("after-update")
 
     def abort(self) -> None:
-        """Restore the step's rows from the in-memory before-images (they are also durable)."""
+        """The step failed: restore its rows, drop its undo log, and make the previous step a
+        recovery point — afterwards the pool is consistent and needs no recovery."""
+        step = self._step
+        if step is None:
+            return
         if self._updated and self._records:
             for r in self._records:
                 t = self._tables[r.table]
                 t._scatter(r.ids, r.before)
         self._updated = False
         self._step = None
+        if self._records is not None:
+            self._log.wait_idle()
+            with self._slots_lock:
+                slot = self._pending.pop(step, None)
+            if slot is not None:
+                invalidate_slot(slot)  # durably: this step will not be rolled back again
+                with self._slots_lock:
+                    self._free.append(slot)
+        if self.coordinator is None and self._durable_commit < step - 1:
+            self.checkpoint_now(step - 1)
 
     def commit(self, step: int, *, final: bool = False) -> None:
         t0 = time.perf_counter()

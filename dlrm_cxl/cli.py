@@ -1,9 +1,9 @@
 """The ``dlrm-cxl`` command line. ``main(argv) -> int``; never calls sys.exit itself.
 
 Exit codes: 0 ok; 1 unexpected error; 2 bad arguments or input (also: eval/export of a pool
-that needs `recover` first); 3 not a pool / wrong version /
-volatile pool gone; 4 damage that recovery cannot repair (nothing was changed); 5 pool locked by
-another writer; 6 pool or disk full; 7 malformed data; 8 training diverged (NaN/inf loss).
+that needs `recover` first); 3 not a pool / wrong version / volatile pool gone; 4 damage that
+recovery cannot repair (nothing was changed); 5 pool locked by another writer; 6 pool or disk
+full; 7 malformed data; 8 training diverged (NaN/inf loss).
 """
 
 from __future__ import annotations
@@ -321,17 +321,9 @@ def _open_model(pool_path, read_only=True):
     return pool, cfg, model
 
 
-class _HeldOutSynthetic:
-    def __init__(self, source, first_batch: int):
-        self.source, self.first_batch = source, first_batch
-
-    def iter_batches(self, position=None):
-        return self.source.iter_batches(position or {"batch": self.first_batch})
-
-
 def _cmd_eval(args) -> int:
     from .data import SyntheticData, make_data_source
-    from .trainer import EVAL_SEED_OFFSET, data_spec, evaluate
+    from .trainer import HeldOutSynthetic, data_spec, evaluate
 
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
@@ -343,7 +335,7 @@ def _cmd_eval(args) -> int:
         if data == "synthetic":
             # Held out: batches of the training distribution (its seed: the seed also fixes the
             # true effects, so another seed is another problem) that training does not read.
-            source = _HeldOutSynthetic(SyntheticData(spec, seed=meta.get("seed", 0)), EVAL_SEED_OFFSET)
+            source = HeldOutSynthetic(SyntheticData(spec, seed=meta.get("seed", 0), alpha=meta.get("zipf_alpha", 1.05)))
         else:
             source = make_data_source(data, spec, skip_bad_lines=args.skip_bad_lines)
         res = evaluate(model, source, args.batches)
@@ -377,8 +369,6 @@ def _cmd_export(args) -> int:
 def _load_torchrec_state(path: Path, cfg) -> dict:
     """torch.load a TorchRec DLRM state_dict and check its tables against ``cfg`` before any
     pool is created (ValueError naming the problem and, if one fits, the preset to pass)."""
-    import pickle
-
     import torch
 
     from .model import PRESETS
@@ -387,7 +377,7 @@ def _load_torchrec_state(path: Path, cfg) -> dict:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise ValueError(f"--state {path}: no such file") from None
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+    except Exception as exc:  # torch.load's unpickler raises almost anything on a file that is not its own
         raise ValueError(f"--state {path}: not a state_dict written by torch.save "
                          f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

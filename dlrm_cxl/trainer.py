@@ -30,9 +30,22 @@ from .data import DataSpec, Prefetcher, SyntheticData, make_data_source
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 
 __all__ = ["TrainOptions", "Trainer", "TrainSummary", "evaluate", "open_training_pool", "data_spec",
-           "build_dense_optimizer", "EVAL_SEED_OFFSET"]
+           "build_dense_optimizer", "EVAL_SEED_OFFSET", "HeldOutSynthetic"]
 
-EVAL_SEED_OFFSET = 1_000_003  # synthetic eval data: same distribution, different samples
+EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches start here: same problem, batches training never reads
+
+
+class HeldOutSynthetic:
+    """Synthetic batches of the training distribution that training does not read.
+
+    The seed also fixes the true effects of the rows, so held-out data must use the training
+    seed; it starts at batch EVAL_SEED_OFFSET instead."""
+
+    def __init__(self, source: SyntheticData, first_batch: int = EVAL_SEED_OFFSET):
+        self.source, self.first_batch = source, first_batch
+
+    def iter_batches(self, position=None):
+        return self.source.iter_batches(position or {"batch": self.first_batch})
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,8 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
             raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}")
         if o.seed != meta.get("seed", o.seed):
             raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
+        if o.data == "synthetic" and o.zipf_alpha != meta.get("zipf_alpha", o.zipf_alpha):
+            raise ConfigMismatchError(f"{path} was trained with --zipf-alpha {meta.get('zipf_alpha')}, not {o.zipf_alpha}")
         rep = None
         target = None
         if coordinator is not None:
@@ -172,7 +187,8 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
                              dram_cache_bytes=o.dram_cache_bytes)
     try:
         _create_tables(pool, cfg, o.seed, features)
-        pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, kind="dlrm-cxl-trainer")
+        pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, zipf_alpha=o.zipf_alpha,
+                      kind="dlrm-cxl-trainer")
     except BaseException:
         pool.close()
         destroy_pool(path)
@@ -285,7 +301,7 @@ class Trainer:
             logits, pooled = model(batch.dense, plan)
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
             if not bool(torch.isfinite(loss)):
-                raise TrainingDivergedError(f"loss is {float(loss)} at step {k}; the step was not applied")
+                self._diverged(k, float(loss.detach()))
             self.dense_opt.zero_grad(set_to_none=True)
             loss.backward()
             updates = self.sparse_opt.compute(plan, pooled.grad)
@@ -300,6 +316,12 @@ class Trainer:
             self.step = k
         return float(loss.detach())
 
+    def _diverged(self, k: int, loss: float):
+        # Nothing of step k was applied; abort() (leaving the step block) drops its undo log.
+        # Make the last good step a recovery point, so the pool needs no recovery afterwards.
+        raise TrainingDivergedError(f"loss is {loss} at step {k}; the step was not applied, the pool "
+                                    f"stays at step {k - 1}")
+
     def _train_step_sharded(self, k: int, batch) -> float:
         """One step of a rank: see dlrm_cxl.distributed for the exchange."""
         ck, model, d = self.ckpt, self.model, self.dist
@@ -312,7 +334,7 @@ class Trainer:
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels[local].to(logits.device))
             global_loss = d.mean(float(loss.detach()))
             if not np.isfinite(global_loss):  # every rank sees the same value: all stop together
-                raise TrainingDivergedError(f"loss is {global_loss} at step {k}; the step was not applied")
+                self._diverged(k, global_loss)
             self.dense_opt.zero_grad(set_to_none=True)
             loss.backward()
             d.average_gradients(self.model.parameters())
@@ -385,7 +407,7 @@ class Trainer:
     def evaluate(self, batches: int, data: str | None = None) -> dict:
         src = data or self.o.eval_data
         if src is None and self.o.data == "synthetic":
-            source = SyntheticData(self.spec, seed=self.o.seed + EVAL_SEED_OFFSET, alpha=self.o.zipf_alpha)
+            source = HeldOutSynthetic(SyntheticData(self.spec, seed=self.o.seed, alpha=self.o.zipf_alpha))
         else:
             source = make_data_source(src or self.o.data, self.spec, seed=self.o.seed,
                                       skip_bad_lines=self.o.skip_bad_lines)

@@ -247,7 +247,7 @@ def test_import_of_a_state_that_does_not_fit_is_exit_2_and_creates_nothing(train
     code, _, err = run_main("import", "--pool", tmp_path / "p", "--state", tmp_path / "missing.pt",
                             "--preset", "tiny")
     assert_clean_error(code, err, 2, "missing.pt")
-    (tmp_path / "junk.pt").write_text("not a torch file")
+    (tmp_path / "junk.pt").write_text("junk\n")  # the weights-only unpickler raises KeyError on this
     code, _, err = run_main("import", "--pool", tmp_path / "p", "--state", tmp_path / "junk.pt",
                             "--preset", "tiny")
     assert_clean_error(code, err, 2, "junk.pt")
@@ -267,6 +267,11 @@ def test_data_convert_writes_a_zarr_that_trains_like_the_tsv(tmp_path):
     code, out_t, err = run_main("train", "--pool", tmp_path / "pt", "--data", TSV, *flags)
     assert code == 0, err
     assert DIGEST_RE.search(out_z).group(1) == DIGEST_RE.search(out_t).group(1)
+    for pool in ("pz", "pt"):  # eval defaults to the data the pool was trained on
+        code, js, err = run_main("eval", "--pool", tmp_path / pool, "--json", "--batches", 3)
+        assert code == 0, err
+        res = json.loads(js)
+        assert res["samples"] == 96 and math.isfinite(res["auc"]) and math.isfinite(res["logloss"])
 
 
 # --------------------------------------------------------------------------- bad pools and data

@@ -154,7 +154,7 @@ def test_data_position_is_restored_on_resume(tmp_path, kind):
         data = tmp_path / "d.zarr"
         convert_tsv_to_zarr(TSV, data, data_spec(TINY32), chunk_rows=30)
     _, straight = train(tmp_path / "straight", 8, cfg=TINY32, data=str(data))
-    s4, _ = train(tmp_path / "p", 4, cfg=TINY32, data=str(data))
+    train(tmp_path / "p", 4, cfg=TINY32, data=str(data))
     s8, resumed = train(tmp_path / "p", 8, cfg=TINY32, data=str(data))
     assert (s8.start_step, s8.end_step) == (4, 8)
     assert resumed == straight
@@ -179,7 +179,7 @@ def _inspect(pool):
 
 
 def test_nan_loss_raises_and_the_pool_keeps_the_last_good_step(tmp_pool_dir):
-    s1, d1 = train(tmp_pool_dir, 1, cfg=DIVERGE)  # step 1's loss is finite; its update explodes
+    _, d1 = train(tmp_pool_dir, 1, cfg=DIVERGE)  # step 1's loss is finite; its update explodes
     with pytest.raises(TrainingDivergedError) as ei:
         train(tmp_pool_dir, 20, cfg=DIVERGE)
     assert "step 2" in str(ei.value) and ei.value.exit_code == 8
@@ -229,8 +229,8 @@ def test_other_preset_is_a_config_mismatch_and_fresh_starts_over(tmp_path):
 def test_dram_cache_smaller_than_the_tables_gives_the_same_digest(tmp_path):
     budget = 8000  # cat_0 (1000 x 8 fp32 = 32 kB) gets a ~80-row cache; no table fits whole
     _, plain = train(tmp_path / "plain", 10)
-    s5, _ = train(tmp_path / "cached", 5, dram_cache_bytes=budget)
-    s10, cached = train(tmp_path / "cached", 10, dram_cache_bytes=budget)  # reopened with a cache
+    train(tmp_path / "cached", 5, dram_cache_bytes=budget)
+    _, cached = train(tmp_path / "cached", 10, dram_cache_bytes=budget)  # reopened with a cache
     assert cached == plain
     with MemoryPool.open(tmp_path / "cached", dram_cache_bytes=budget) as p:
         info = p.describe()
@@ -244,7 +244,7 @@ def test_pmem_shm_and_power_sim_tiers_train_to_the_same_digest(tmp_path):
         try:
             s, digests[tier] = train(pool, 6, tier=tier)
             assert s.tier == tier and s.durability
-            s2, again = train(pool, 8, tier=tier)  # reopen and continue on the same tier
+            _, again = train(pool, 8, tier=tier)  # reopen and continue on the same tier
             digests[tier] = (digests[tier], again)
         finally:
             if (pool / "pool.json").exists():

@@ -225,6 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="parent directory of the pmem/power-sim pools (default: a temp dir)")
     ap.add_argument("--tiers", nargs="*", default=None, help="subset of dram shm pmem power-sim")
     ap.add_argument("--no-fbgemm", action="store_true")
+    ap.add_argument("--ops", nargs="*", default=["read", "write", "lookup"], choices=["read", "write", "lookup"],
+                    help="operations to time (default all)")
     ap.add_argument("--quick", action="store_true", help="26 x 20k rows, 3 reps")
     args = ap.parse_args(argv)
     if args.quick:
@@ -266,7 +268,7 @@ def main(argv=None) -> int:
             for v in variants:
                 for op in ops:
                     fn = getattr(v, op)
-                    if fn is None:
+                    if fn is None or op not in args.ops:
                         continue
                     rows = 0
                     gc.disable()
@@ -282,8 +284,8 @@ def main(argv=None) -> int:
         bw = bandwidth(min(512 << 20, args.tables * args.rows * args.dim * 4), max(3, args.reps))
 
         med = {k: statistics.median(s) for k, s in samples.items() if s}
-        base = med[(variants[0].name, "lookup")]
-        base_rw = {op: med[(variants[0].name, op)] for op in ("read", "write")}
+        base = med.get((variants[0].name, "lookup"))
+        base_rw = {op: med.get((variants[0].name, op)) for op in ("read", "write")}
         row_bytes = args.dim * 4
         print()
         print(f"{'variant':<22} {'read Mrows/s':>13} {'write Mrows/s':>14} {'lookup Mrows/s':>15} "
@@ -292,7 +294,7 @@ def main(argv=None) -> int:
             return f"{x / 1e6:.2f}" if x else "-"
 
         def ratio(x, b):
-            return f"{x / b:.2f}x" if x else "-"
+            return f"{x / b:.2f}x" if x and b else "-"
 
         for v in variants:
             r, w, l = (med.get((v.name, op)) for op in ops)
