@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dense-every", type=int, default=1, help="dense snapshot (recovery point) every N steps")
     t.add_argument("--crash-at", metavar="STEP:PHASE",
                    help=f"SIGKILL this process at STEP in PHASE ({', '.join(PHASES)})")
+    t.add_argument("--crash-rank", type=int, default=0, help="with torchrun: the rank --crash-at kills")
     t.add_argument("--zipf-alpha", type=float, default=1.05, help="skew of synthetic ids (0: uniform)")
     t.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed data lines")
     t.add_argument("--fresh", action="store_true", help="delete the pool first and start over")
@@ -175,26 +176,50 @@ def _cmd_train(args) -> int:
 
     from .trainer import Trainer, TrainOptions
 
-    pool_exists = (Path(args.pool) / "pool.json").exists() and not args.fresh
+    from .distributed import init_distributed, is_distributed_env, job_file, rank_dir
+
+    distributed = is_distributed_env()
+    marker = job_file(args.pool) if distributed else Path(args.pool) / "pool.json"
+    pool_exists = marker.exists() and not args.fresh
+    stored_at = rank_dir(args.pool, 0) if distributed else args.pool
     cfg = model_config_from_args(args, default_preset=None if pool_exists else "small",
-                                 base=_stored_config(args.pool) if pool_exists else None)
+                                 base=_stored_config(stored_at) if pool_exists else None)
     opts = TrainOptions(
         pool=args.pool, steps=args.steps, data=args.data, seed=args.seed, tier=args.tier, device=args.device,
         eval_every=args.eval_every, eval_batches=args.eval_batches, eval_data=args.eval_data,
         checkpoint=args.checkpoint, dense_every=args.dense_every,
-        crash_at=parse_crash_at(args.crash_at) if args.crash_at else None, threads=args.threads,
+        crash_at=parse_crash_at(args.crash_at) if args.crash_at else None, crash_rank=args.crash_rank,
+        threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
         fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
-    trainer = Trainer(opts, cfg, log=log)
+    ctx = None
+    if distributed:
+        if cfg is not None:
+            n_features = len(cfg.feature_names)
+        else:
+            try:
+                n_features = len(json.loads(marker.read_text())["model"]["feature_names"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{marker}: cannot read the job's model ({exc}); pass --preset") from None
+        ctx = init_distributed(args.device, n_features)
     try:
-        summary = trainer.run()
-        digest = trainer.digest()
-        # lines --skip-bad-lines skipped while reading (read-ahead included; a line is counted
-        # each epoch it is read)
-        skipped = int(getattr(trainer.source, "skipped", 0) or 0)
+        trainer = Trainer(opts, cfg, log=log, dist=ctx)
+        try:
+            summary = trainer.run()
+            digest = trainer.digest()
+            # lines --skip-bad-lines skipped while reading (read-ahead included; a line is counted
+            # each epoch it is read)
+            skipped = int(getattr(trainer.source, "skipped", 0) or 0)
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        if ctx is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if ctx is not None and ctx.rank != 0:
+        return 0
     d = summary.as_dict()
     d["state_digest"] = digest
     d.setdefault("skipped_lines", skipped)
@@ -239,20 +264,57 @@ def _cmd_recover(args) -> int:
     return 0
 
 
-def _cmd_inspect(args) -> int:
+def _inspect_pool(path, digest: bool) -> dict:
     from checkpointing import checkpoint_status, read_dense, state_digest
     from checkpointing.store import ckpt_dir
     from memory_pool import MemoryPool
 
-    with MemoryPool.open(args.pool, read_only=True) as pool:
+    with MemoryPool.open(path, read_only=True) as pool:
         info = pool.describe()
         status = checkpoint_status(pool)
         info["checkpoint"] = status
         info["step"] = status["committed_step"]
         info["state_digest"] = None
-        if not args.no_digest and status["committed_step"] is not None and not status["needs_recovery"]:
+        if digest and status["committed_step"] is not None and not status["needs_recovery"]:
             d = ckpt_dir(pool.storage_dir)
             info["state_digest"] = state_digest(pool, read_dense(d / status["dense_file"]))
+    return info
+
+
+def _inspect_job(args) -> int:
+    """A job of several ranks: each rank's pool, and the job's committed step and digest."""
+    from checkpointing.digest import combine_digests
+    from checkpointing.job import rank_dirs
+
+    ranks = [_inspect_pool(d, not args.no_digest) for d in rank_dirs(args.pool)]
+    steps = [r["step"] for r in ranks]
+    committed = None if any(s is None for s in steps) else min(steps)
+    # A rank ahead of the others is rolled back at the next start: the job needs recovery.
+    needs = any(r["checkpoint"]["needs_recovery"] for r in ranks) or len(set(steps)) > 1
+    digests = [r["state_digest"] for r in ranks]
+    info = {"path": str(args.pool), "world_size": len(ranks), "step": committed, "needs_recovery": needs,
+            "state_digest": combine_digests(digests) if all(digests) and not needs else None, "ranks": ranks}
+    if args.json:
+        _print_json(info)
+        return 0
+    print(f"job {info['path']}: {len(ranks)} ranks, step reached (committed by every rank): {committed}")
+    for i, r in enumerate(ranks):
+        print(f"  rank {i}: tier {r['tier']}, {len(r['tables'])} tables, {r['used_bytes'] / 1e6:.1f} MB, "
+              f"committed step {r['step']}" + ("  (needs recovery)" if r["checkpoint"]["needs_recovery"] else ""))
+    if needs:
+        print(f"needs recovery: run dlrm-cxl recover --pool {info['path']}")
+    if info["state_digest"]:
+        print(f"state_digest {info['state_digest']}")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from checkpointing.job import is_job
+
+    if is_job(args.pool):
+        return _inspect_job(args)
+    info = _inspect_pool(args.pool, not args.no_digest)
+    status = info["checkpoint"]
     if args.json:
         _print_json(info)
         return 0
@@ -294,8 +356,14 @@ def _open_model(pool_path, read_only=True):
     from checkpointing.store import ckpt_dir
     from memory_pool import MemoryPool, PoolFormatError
 
+    from checkpointing.job import is_job
+
     from .model import ModelConfig, PoolDLRM
 
+    if is_job(pool_path):
+        raise PoolFormatError(f"{pool_path} is a job of several ranks (tables sharded across rank-*/ pools); "
+                              f"eval and export read a single-process pool",
+                              hint="inspect and recover take the job directory; train a single-process pool to export")
     pool = MemoryPool.open(pool_path, read_only=read_only)
     try:
         if "model" not in pool.meta:

@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--bag", type=int, default=1, help="ids per sample and feature")
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
-    ap.add_argument("--reps", type=int, default=9, help="interleaved repetitions per variant (median)")
+    ap.add_argument("--reps", type=int, default=15, help="interleaved repetitions per variant (median)")
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
     ap.add_argument("--inner", type=int, default=2, help="batches per timed measurement")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -284,8 +284,19 @@ def main(argv=None) -> int:
         bw = bandwidth(min(512 << 20, args.tables * args.rows * args.dim * 4), max(3, args.reps))
 
         med = {k: statistics.median(s) for k, s in samples.items() if s}
-        base = med.get((variants[0].name, "lookup"))
-        base_rw = {op: med.get((variants[0].name, op)) for op in ("read", "write")}
+        if os.environ.get("BENCH_POOL_SAMPLES"):
+            for k, v in samples.items():
+                if v:
+                    print(k, " ".join(f"{x / 1e6:.2f}" for x in v))
+
+        def paired(name, op):
+            """Median over reps of this variant's rate / the reference's rate in the same rep: the
+            load of a shared machine comes in phases that hit every variant of a rep alike."""
+            a, b = samples.get((name, op)), samples.get((variants[0].name, op))
+            if not a or not b:
+                return None
+            return statistics.median(x / y for x, y in zip(a, b))
+
         row_bytes = args.dim * 4
         print()
         print(f"{'variant':<22} {'read Mrows/s':>13} {'write Mrows/s':>14} {'lookup Mrows/s':>15} "
@@ -293,8 +304,8 @@ def main(argv=None) -> int:
         def fmt(x):
             return f"{x / 1e6:.2f}" if x else "-"
 
-        def ratio(x, b):
-            return f"{x / b:.2f}x" if x and b else "-"
+        def ratio(x):
+            return f"{x:.2f}x" if x else "-"
 
         for v in variants:
             r, w, l = (med.get((v.name, op)) for op in ops)
@@ -302,12 +313,13 @@ def main(argv=None) -> int:
             if isinstance(v, PoolVariant) and any(t.cached for t in v.tables):
                 h, m = v.stats()
                 notes += f", hit rate {h / max(1, h + m):.0%}"
-            print(f"{v.name:<22} {fmt(r):>13} {fmt(w):>14} {fmt(l):>15} {ratio(l, base):>13} "
-                  f"{ratio(r, base_rw['read']):>11} {ratio(w, base_rw['write']):>12}  {notes}")
+            print(f"{v.name:<22} {fmt(r):>13} {fmt(w):>14} {fmt(l):>15} {ratio(paired(v.name, 'lookup')):>13} "
+                  f"{ratio(paired(v.name, 'read')):>11} {ratio(paired(v.name, 'write')):>12}  {notes}")
         print(f"{'memcpy ceiling':<22} {fmt(bw / 2 / row_bytes):>13} {'':>14} {'':>15} {'':>13} {'':>11} {'':>12}  "
               f"torch clone {bw / 2**30:.1f} GiB/s read+write = {bw / 2 / row_bytes / 1e6:.1f} M rows/s of {row_bytes} B")
-        print("# Mrows/s: ids per second (lookup: ids pooled; write: unique ids). 'vs EB': ratio to the "
-              "nn.EmbeddingBag/DRAM-tensor row (read/write: index_select/index_copy_ on a DRAM tensor).")
+        print("# Mrows/s: median ids per second (lookup: ids pooled; write: unique ids). 'vs EB': median over reps of "
+              "the ratio to the nn.EmbeddingBag row measured in the same rep (its read/write: index_select/"
+              "index_copy_ on the DRAM weight tensors).")
     finally:
         for v in variants:
             v.close()
