@@ -92,7 +92,9 @@ def _record_parts(step: int, rec: UndoRecord) -> tuple[list, int]:
     head_wo_crc = REC.pack(REC_MAGIC, step, len(name), row_bytes, ids.shape[0], 0)[:-4]
     crc = zlib.crc32(data, zlib.crc32(ids, zlib.crc32(name, zlib.crc32(head_wo_crc))))
     head = REC.pack(REC_MAGIC, step, len(name), row_bytes, ids.shape[0], crc)
-    parts = [head, name, memoryview(ids).cast("B"), memoryview(data).cast("B")]
+    # Flattened first: a record of no rows (a table this step does not touch) is a [0, row_bytes]
+    # array, and memoryview cannot cast a view with a zero in a multi-dimensional shape.
+    parts = [head, name, memoryview(ids.reshape(-1)).cast("B"), memoryview(data.reshape(-1)).cast("B")]
     return parts, sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 

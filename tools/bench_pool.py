@@ -10,12 +10,15 @@ sparse features, one Zipf-distributed id per feature, dim 64, 26 tables of 100k 
 
 on the tiers dram, shm, pmem, power-sim, and pmem with a DRAM cache budget of 1/4 of the
 tables' bytes -- both as the pool hands it out (one pool-wide budget, first come) and as one
-pool per table with 1/4 of that table each (so every table goes through its row cache). The
+pool per table with 1/4 of that table each (so every table goes through its row cache; its
+pooled lookup is ``Table.lookup`` per table, concatenated, as ``pool.lookup`` does). The
 same pooled work runs through ``torch.nn.EmbeddingBag(mode="sum")`` (one per table, DRAM)
 and fbgemm's CPU table-batched embedding (``SplitTableBatchedEmbeddingBagsCodegen``,
 ``EmbeddingLocation.HOST``, ``ComputeDevice.CPU``); a large ``torch.clone`` gives the memory
 bandwidth, the physical ceiling. The machine is noisy: every variant is measured ``--reps``
-times in rotation (interleaved) and the median is reported.
+times in rotation (interleaved, starting each round at the next variant) and the median is
+reported; the ratios are medians of per-round ratios, which cancels the load phases of a shared
+machine.
 
     python tools/bench_pool.py            # full size
     python tools/bench_pool.py --quick    # small tables, few repetitions
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -227,10 +231,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fbgemm", action="store_true")
     ap.add_argument("--ops", nargs="*", default=["read", "write", "lookup"], choices=["read", "write", "lookup"],
                     help="operations to time (default all)")
-    ap.add_argument("--quick", action="store_true", help="26 x 20k rows, 3 reps")
+    ap.add_argument("--quick", action="store_true", help="26 x 20k rows, 5 reps, 1 batch per measurement")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rows, args.reps, args.batches, args.inner = min(args.rows, 20_000), 3, 2, 1
+        args.rows, args.reps, args.batches, args.inner = min(args.rows, 20_000), 5, 2, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -239,7 +243,11 @@ def main(argv=None) -> int:
     print(f"# bench_pool: {args.tables} tables x {args.rows} rows x dim {args.dim} (fp32, "
           f"{args.tables * args.rows * args.dim * 4 / 2**20:.0f} MiB per copy), batch {args.batch} x bag {args.bag}, "
           f"Zipf alpha {args.alpha}; median of {args.reps} interleaved reps x {args.inner} batches; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    if torch.get_num_threads() > 1 and os.getloadavg()[0] > os.cpu_count() / 2:
+        print("# note: a busy machine and several torch threads make every parallel op wait for descheduled "
+              "threads; --threads 1 measures more steadily")
     weights = [torch.empty(args.rows, args.dim).uniform_(-0.01, 0.01, generator=g) for _ in range(args.tables)]
     keys, batches = make_batches(args, g)
 
@@ -264,19 +272,25 @@ def main(argv=None) -> int:
         ops = ("read", "write", "lookup")
         samples = {(v.name, op): [] for v in variants for op in ops}
         counter = 0
+        faults = {}
         for rep in range(args.reps + 1):  # rep 0 warms up (page faults, COW, caches)
-            for v in variants:
+            # Rotate the order each rep, so that no variant always follows the same one (the
+            # kernel writes back what the file-backed variants dirtied while the next one runs).
+            k0 = rep % len(variants)
+            for v in variants[k0:] + variants[:k0]:
                 for op in ops:
                     fn = getattr(v, op)
                     if fn is None or op not in args.ops:
                         continue
                     rows = 0
                     gc.disable()
+                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     t0 = time.perf_counter()
                     for k in range(args.inner):
                         r = fn(batches[(counter + k) % len(batches)])
                         rows += r[0] if isinstance(r, tuple) else r
                     dt = time.perf_counter() - t0
+                    faults[(v.name, op)] = faults.get((v.name, op), 0) + resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                     gc.enable()
                     counter += 1
                     if rep:
@@ -287,7 +301,7 @@ def main(argv=None) -> int:
         if os.environ.get("BENCH_POOL_SAMPLES"):
             for k, v in samples.items():
                 if v:
-                    print(k, " ".join(f"{x / 1e6:.2f}" for x in v))
+                    print(k, " ".join(f"{x / 1e6:.2f}" for x in v), f"| page faults/rep {faults[k] / (args.reps + 1):.0f}")
 
         def paired(name, op):
             """Median over reps of this variant's rate / the reference's rate in the same rep: the
@@ -319,7 +333,8 @@ def main(argv=None) -> int:
               f"torch clone {bw / 2**30:.1f} GiB/s read+write = {bw / 2 / row_bytes / 1e6:.1f} M rows/s of {row_bytes} B")
         print("# Mrows/s: median ids per second (lookup: ids pooled; write: unique ids). 'vs EB': median over reps of "
               "the ratio to the nn.EmbeddingBag row measured in the same rep (its read/write: index_select/"
-              "index_copy_ on the DRAM weight tensors).")
+              "index_copy_ on the DRAM weight tensors). memcpy row: a 512 MiB torch.clone as rows of the same size "
+              "copied per second; Zipf-hot rows sit in the CPU caches, so gathers can beat it.")
     finally:
         for v in variants:
             v.close()

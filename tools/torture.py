@@ -2,7 +2,7 @@
 """Torture test: SIGKILL ``dlrm-cxl train`` from outside at random moments, recover, resume.
 
     python tools/torture.py --trials M [--steps N] [--tier pmem|power-sim|shm] [--preset tiny]
-                            [--seed S] [--pool-dir DIR] [--dense-every D]
+                            [--seed S] [--pool-dir DIR] [--dense-every D] [--threads T]
     python tools/torture.py --quick          # CI: 3 trials, 30 steps, preset tiny, tier pmem
 
 Every process below is a fresh ``python -m dlrm_cxl ...``; every kill is a real ``SIGKILL``
@@ -300,14 +300,14 @@ def _run(cmd, timeout=600) -> subprocess.CompletedProcess:
 
 
 def torture(*, trials: int, steps: int, tier: str, preset: str, seed: int, pool_dir: Path,
-            dense_every: int = 1, log=print) -> int:
+            dense_every: int = 1, threads: int = 1, log=print) -> int:
     rnd = random.Random(seed)
     pool_dir.mkdir(parents=True, exist_ok=True)
     ref_pool, uninterrupted_pool, pool = pool_dir / "reference", pool_dir / "uninterrupted", pool_dir / "trial"
     for p in (ref_pool, uninterrupted_pool, pool):
         _remove_pool(p)
     flags = ["--preset", preset, "--tier", tier, "--seed", str(seed), "--dense-every", str(dense_every),
-             "--no-progress"]
+             "--threads", str(threads), "--no-progress"]
 
     # 1. references: stepped (every k) and uninterrupted, side by side.
     t0 = time.perf_counter()
@@ -403,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense-every", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every run (default 1)")
     p.add_argument("--pool-dir", type=Path, help="where the pools go (default: a temporary directory, removed)")
     p.add_argument("--quick", action="store_true", help="CI: 3 trials, 30 steps, preset tiny")
     a = p.parse_args(argv)
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     root = a.pool_dir or Path(tempfile.mkdtemp(prefix="dlrm-cxl-torture-"))
     try:
         return torture(trials=a.trials, steps=a.steps, tier=a.tier, preset=a.preset, seed=a.seed,
-                       pool_dir=Path(root), dense_every=a.dense_every,
+                       pool_dir=Path(root), dense_every=a.dense_every, threads=a.threads,
                        log=lambda s: print(s, flush=True))
     finally:
         if not keep:
