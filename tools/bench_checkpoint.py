@@ -242,11 +242,14 @@ def bench_training(a, cfg, workdir: Path, N: int, M: int) -> dict:
         PoolVariant(f"incremental {N}", cfg, batches, workdir, tier=a.tier,
                     ckpt_factory=lambda pool, ds: IncrementalCheckpointer(pool, ds, every=N, keep_files=False)),
     ]
-    per = {v.name: {"bytes": [], "crit": [], "wait": []} for v in variants}
+    per = {v.name: {"bytes": [], "io": [], "cpu": [], "crit": [], "wait": []} for v in variants}
 
     def on_window(v, before, after, steps, dt):
         b = sum(after[k] - before[k] for k in ("log_bytes", "dense_bytes", "table_bytes_persisted"))
         per[v.name]["bytes"].append(b / steps)
+        per[v.name]["cpu"].append((after["cpu_seconds"] - before["cpu_seconds"]) / steps)
+        if before["io_write_bytes"] >= 0:
+            per[v.name]["io"].append((after["io_write_bytes"] - before["io_write_bytes"]) / steps)
         per[v.name]["crit"].append((after["critical_seconds"] - before["critical_seconds"]) / steps)
         per[v.name]["wait"].append((after["log_wait_seconds"] - before["log_wait_seconds"]) / steps)
 
@@ -276,19 +279,30 @@ def bench_training(a, cfg, workdir: Path, N: int, M: int) -> dict:
         byt = median(per[v.name]["bytes"])
         rows.append([v.name, f"{sps:.2f}", f"{min(res[v.name]) / cfg.batch_size:.2f}-"
                      f"{max(res[v.name]) / cfg.batch_size:.2f}", f"{100 * (sps / base - 1):+.1f}%",
-                     _mb(byt), f"{1e3 * median(per[v.name]['crit']):.1f}", f"{1e3 * median(per[v.name]['wait']):.1f}",
+                     f"{1e3 * median(per[v.name]['cpu']):.0f}",
+                     _mb(byt), _mb(median(per[v.name]["io"])) if per[v.name]["io"] else "?",
+                     f"{1e3 * median(per[v.name]['crit']):.1f}", f"{1e3 * median(per[v.name]['wait']):.1f}",
                      f"{1e3 * median(v.drain_seconds):.0f}", lost])
-        out[v.name] = {"steps_per_s": [x / cfg.batch_size for x in res[v.name]], "bytes_per_step": per[v.name]["bytes"],
-                       "critical_s_per_step": per[v.name]["crit"], "log_wait_s_per_step": per[v.name]["wait"],
+        out[v.name] = {"steps_per_s": [x / cfg.batch_size for x in res[v.name]],
+                       "bytes_per_step": per[v.name]["bytes"], "io_write_bytes_per_step": per[v.name]["io"],
+                       "cpu_s_per_step": per[v.name]["cpu"], "critical_s_per_step": per[v.name]["crit"],
+                       "log_wait_s_per_step": per[v.name]["wait"],
                        "drain_s": v.drain_seconds, "max_commit_lag": lag[v.name]}
     print()
-    print(fmt_table(["variant", "steps/s (median)", "min-max", "vs none", "MB durable/step",
+    print(fmt_table(["variant", "steps/s (median)", "min-max", "vs none", "CPU ms/step", "MB/step (ckpt stats)",
+                     "MB/step to device",
                      "ckpt critical ms/step", "log wait ms/step", "drain ms/window", "max steps lost"], rows))
     undo1 = median(res["undo de=1"]) / cfg.batch_size
     print(f"\ntarget: undo logging costs <= 3% of steps/s -> undo de=1: {100 * (1 - undo1 / base):.1f}% "
           f"slower than none" + (f"; undo de={M}: {100 * (1 - median(res[f'undo de={M}']) / cfg.batch_size / base):.1f}%"
                                  if M != 1 else ""))
-    print("max steps lost: the unfinished step included (undo: stats max_commit_lag + 1; full/incremental: N). "
+    print("MB/step (ckpt stats): CheckpointStats.bytes_durable_per_step (log + dense + table bytes the "
+          "checkpointer reports). MB/step to device: this process's write_bytes in /proc/self/io per step "
+          "(page-granular; includes the pool's own dirty-page writeback, so `none` is not 0 on a disk tier; "
+          "0 on tmpfs). ckpt critical: main-thread time in the checkpointer (log wait is part of it). CPU ms/step: process "
+          "user+sys CPU per step, all threads (background checkpoint work included; less sensitive to other "
+          "load than wall time).\n"
+          "max steps lost: the unfinished step included (undo: stats max_commit_lag + 1; full/incremental: N). "
           "drain: end-of-window wait for background checkpoint work (counted in the window's time).")
     return out
 

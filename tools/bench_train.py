@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import sys
@@ -57,7 +58,7 @@ from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 
 __all__ = ["make_batches", "PoolVariant", "TorchRecVariant", "interleave", "median", "fmt_table",
-           "command_line", "machine_line", "drain"]
+           "command_line", "machine_line", "drain", "io_write_bytes"]
 
 NEVER = 10 ** 12  # TrainOptions.steps: never reached, so no step is the "final" one
 
@@ -287,9 +288,26 @@ def interleave(variants: list, *, warmup: int, steps: int, rounds: int, batch_si
     return out
 
 
-def _snap(v) -> dict | None:
+def io_write_bytes() -> int:
+    """This process's ``write_bytes`` from /proc/self/io (bytes it caused to be sent to storage,
+    page-granular, counted when a page is dirtied or written; all threads); -1 if unavailable."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _snap(v) -> dict:
     s = getattr(v, "stats", None)
-    return dict(vars(s)) if s is not None else None
+    d = dict(vars(s)) if s is not None else {}
+    d["io_write_bytes"] = io_write_bytes()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    d["cpu_seconds"] = ru.ru_utime + ru.ru_stime
+    return d
 
 
 def parse_args(argv=None):
@@ -345,9 +363,11 @@ def main(argv=None) -> int:
         variants.append(TorchRecVariant(cfg, batches, workdir))
     crit: dict[str, list[float]] = {v.name: [] for v in variants}
     wait: dict[str, list[float]] = {v.name: [] for v in variants}
+    cpu: dict[str, list[float]] = {v.name: [] for v in variants}
 
     def on_window(v, before, after, steps, dt):
-        if before is None:
+        cpu[v.name].append((after["cpu_seconds"] - before["cpu_seconds"]) / steps)
+        if "critical_seconds" not in before:
             return
         crit[v.name].append((after["critical_seconds"] - before["critical_seconds"]) / steps)
         wait[v.name].append((after["log_wait_seconds"] - before["log_wait_seconds"]) / steps)
@@ -376,22 +396,23 @@ def main(argv=None) -> int:
         base = median(res.get(v.name.split("/")[0] + "/none", [])) if "/" in v.name else float("nan")
         rows.append([
             v.name, f"{m:,.0f}", f"{min(xs):,.0f}-{max(xs):,.0f}", f"{1e3 * cfg.batch_size / m:.1f}",
-            f"{m / ref:.2f}x" if ref else "-",
+            f"{m / ref:.2f}x" if ref else "-", f"{1e3 * median(cpu[v.name]):.0f}",
             f"{100 * (m / base - 1):+.1f}%" if v.name.endswith("/undo") and base == base else "",
             f"{1e3 * median(crit[v.name]):.1f}" if crit[v.name] else "",
             f"{1e3 * median(wait[v.name]):.1f}" if wait[v.name] else "",
             f"{1e3 * median(v.drain_seconds):.0f}" if v.drain_seconds else ""])
     print()
     print(f"# load avg at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(fmt_table(["variant", "samples/s (median)", "min-max", "ms/step", "vs torchrec", "undo vs none",
+    print(fmt_table(["variant", "samples/s (median)", "min-max", "ms/step", "vs torchrec", "CPU ms/step", "undo vs none",
                      "ckpt critical ms/step", "log wait ms/step", "drain ms/window"], rows))
-    print("\nvs torchrec: ratio of medians. undo vs none: same tier. ckpt critical: main-thread time in the "
+    print("\nvs torchrec: ratio of medians. CPU ms/step: process user+sys CPU per step, all threads (less "
+          "sensitive to other load than wall time). undo vs none: same tier. ckpt critical: main-thread time in the "
           "checkpointer (log_wait is part of it). drain: end-of-window wait for background checkpoint work "
           "(counted in the window's time).")
     if a.json:
         a.json.write_text(json.dumps({"command": command_line(), "machine": machine_line(), "preset": a.preset,
                                       "batch_size": cfg.batch_size, "samples_per_s": res,
-                                      "critical_s_per_step": crit, "log_wait_s_per_step": wait}, indent=1))
+                                      "critical_s_per_step": crit, "cpu_s_per_step": cpu, "log_wait_s_per_step": wait}, indent=1))
     return 0
 
 
