@@ -183,12 +183,16 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
     cfg = model_cfg
     if cfg is None:
         raise ValueError("a new pool needs a model config (pass --preset)")
-    pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes,
-                             dram_cache_bytes=o.dram_cache_bytes)
+    pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes)
     try:
         _create_tables(pool, cfg, o.seed, features)
         pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, zipf_alpha=o.zipf_alpha,
                       kind="dlrm-cxl-trainer")
+        if o.dram_cache_bytes is not None:
+            # Reopen so that the DRAM budget is split over all the tables, as on every later open.
+            pool.persist()
+            pool.close()
+            pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
     except BaseException:
         pool.close()
         destroy_pool(path)

@@ -396,9 +396,18 @@ class MemoryPool:
         self._tables: dict[str, Table] = {}
         self._meta_lock = threading.Lock()
         try:
-            for t in header["tables"]:
-                cfg = TableConfig(t["name"], t["num_embeddings"], t["embedding_dim"], t["dtype"])
-                self._tables[cfg.name] = self._attach(cfg, create=False)
+            cfgs = [TableConfig(t["name"], t["num_embeddings"], t["embedding_dim"], t["dtype"])
+                    for t in header["tables"]]
+            total = sum(c.nbytes for c in cfgs)
+            # When the tables of an existing pool do not all fit the DRAM budget, it is split in
+            # proportion to their sizes, so every table gets a cache of the same fraction of its
+            # rows (the budget covers each cache's map and metadata too).
+            split = dram_cache_bytes is not None and total > dram_cache_bytes
+            for cfg in cfgs:
+                share = dram_cache_bytes * cfg.nbytes // total if split else None
+                self._tables[cfg.name] = self._attach(cfg, create=False, share=share)
+            if split:
+                self._dram_left = 0
         except BaseException:
             self.close()
             raise
@@ -505,7 +514,7 @@ class MemoryPool:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
 
-    def _attach(self, cfg: TableConfig, *, create: bool) -> Table:
+    def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
         tier = self.tier
         file = None if tier == "dram" else self.storage_dir / "tables" / f"{cfg.name}.bin"
         if not create and file is not None and not file.exists():
@@ -513,8 +522,10 @@ class MemoryPool:
         region = open_region(tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype, create=create,
                              read_only=self.read_only, use_libpmem=self._use_libpmem)
         cache_rows = 0
-        if self._dram_left is not None:
-            # DRAM budget is handed out first come (table creation order): a table that fits
+        if share is not None:
+            cache_rows = RowCache.slots_for_budget(share, cfg.num_embeddings, cfg.row_bytes)
+        elif self._dram_left is not None:
+            # Tables created in this session get what is left of the budget: a table that fits
             # what is left is served directly; a larger one gets a cache of what is left --
             # the cache's row map and slot metadata included, so it never exceeds the budget.
             # A budget too small for even the map serves the table from its home, uncached.

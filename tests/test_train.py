@@ -227,7 +227,9 @@ def test_other_preset_is_a_config_mismatch_and_fresh_starts_over(tmp_path):
 
 
 def test_dram_cache_smaller_than_the_tables_gives_the_same_digest(tmp_path):
-    budget = 8000  # cat_0 (1000 x 8 fp32 = 32 kB) gets a ~80-row cache; no table fits whole
+    # tiny holds ~640 kB of tables; the budget is split in proportion to table size, so cat_0
+    # (1000 x 8 fp32 = 32 kB) gets a cache of a couple of hundred rows; no table fits whole
+    budget = 300_000
     _, plain = train(tmp_path / "plain", 10)
     train(tmp_path / "cached", 5, dram_cache_bytes=budget)
     _, cached = train(tmp_path / "cached", 10, dram_cache_bytes=budget)  # reopened with a cache
