@@ -245,6 +245,32 @@ def test_an_updated_step_that_never_commits_is_rolled_back_by_recover(tmp_pool_d
     assert not again.needed and again.state_digest == d0
 
 
+@pytest.mark.xfail(reason="undo.py abort(): the failed step's undo slot is invalidated before its restored rows "
+                          "are durable", strict=False)
+def test_a_failed_step_leaves_the_media_at_the_previous_step(tmp_pool_dir):
+    """power-sim: only persisted stores survive. A checkpoint running in the background may
+    persist rows a later step has already changed (allowed: that step's undo records cover
+    them). If that step then fails, the pool must end up at the previous step *on media* too."""
+    pool, t, s = _pool_with_table(tmp_pool_dir, "power-sim")
+    dense = Dense()
+    ck = UndoLogCheckpointer(pool, dense)
+    ck.checkpoint_now(0)
+    d0 = state_digest(pool, dense(0))
+    rows = torch.tensor([1, 2, 3])
+    with pytest.raises(RuntimeError):
+        with ck.step(1):
+            ck.log_before_image([(t, rows)])
+            ck.persist()
+            ck.update(lambda: t.write(rows, torch.zeros(3, 4)))
+            pool.persist()  # what the background checkpoint of an earlier step may do meanwhile
+            raise RuntimeError("the step fails")
+    assert state_digest(pool, dense(0)) == d0  # in memory: restored
+    ck.close()
+    pool.close()  # the process ends (or dies) without another checkpoint
+    rep = recover(tmp_pool_dir)
+    assert rep.committed_step == 0 and rep.state_digest == d0
+
+
 # --------------------------------------------------------------------------- recover() on a trained pool
 
 

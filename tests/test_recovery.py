@@ -181,6 +181,10 @@ def test_crash_at_every_phase_then_recover_and_resume_is_bit_exact(cli, root, re
         assert rolled == (list(range(rolled[0], c, -1)) if rolled else [])
     assert (rep["rows_restored"] > 0) == bool(rolled)
     assert rep["needed"] == bool(rolled)
+    if phase == "mid-dense":  # the snapshot being written when it died is cleaned up
+        assert any(a.startswith("removed unfinished .dense-") for a in rep["actions"]), rep["actions"]
+    assert not list(ckpt_dir(pool).glob(".*.tmp"))
+    assert [p.name for p in ckpt_dir(pool).glob("dense-*.pt")] == [f"dense-{c:012d}.pt"]
 
     # the same command without --crash-at continues from the committed step
     res = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N])
@@ -197,7 +201,7 @@ def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root,
     cmd = torture.cli_cmd("train", "--pool", pool, *flags(tier), "--steps", N_EXT)
     run = torture._Train(cmd)   # a fresh `python -m dlrm_cxl` process
     try:
-        assert run.banner.wait(300), run.stderr
+        assert run.wait_banner(300), run.stderr
         # once training is under way (a step after 0 committed), a random short moment later
         deadline = time.monotonic() + 120
         while run.proc.poll() is None and time.monotonic() < deadline:
@@ -307,13 +311,17 @@ def damage(pool: Path, kind: str) -> str:
         elif kind == "slot-truncated":   # half of the payload gone
             os.truncate(s.path, PAYLOAD_OFFSET + s.payload_len // 2)
         elif kind == "seal-cut-off":     # the file cut inside its seal
-            os.truncate(s.path, 40)
+            os.truncate(s.path, 20)
         else:                            # a bit of the step number in the seal
             _flip(s.path, 8, 0x01)
         return s.path.name
     if kind == "dense-bit-flip":
         name = read_commit(d)["dense_file"]
         _flip(d / name, (d / name).stat().st_size // 2)
+        return name
+    if kind == "dense-missing":
+        name = read_commit(d)["dense_file"]
+        (d / name).unlink()
         return name
     if kind == "commit-bit-flip":
         raw = (d / "COMMIT").read_bytes()
@@ -326,7 +334,7 @@ def damage(pool: Path, kind: str) -> str:
 
 
 DAMAGE = ["record-bit-flip", "slot-truncated", "seal-cut-off", "seal-bit-flip", "dense-bit-flip",
-          "commit-bit-flip", "commit-missing"]
+          "dense-missing", "commit-bit-flip", "commit-missing"]
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
@@ -339,6 +347,9 @@ def test_damage_is_detected_with_a_clear_error_and_changes_nothing(cli, root, un
     assert r.returncode == 4, (r.returncode, r.stdout, r.stderr)
     assert "error" in r.stderr and name in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert pool_files(pool) == before
+
+    dry = cli.run(["recover", "--pool", pool, "--dry-run"])
+    assert dry.returncode == 4 and name in dry.stderr, (dry.returncode, dry.stderr)
 
     with pytest.raises(RecoveryError) as e:
         checkpointing.recover(pool)
@@ -372,7 +383,7 @@ def test_checkpoint_none_killed_mid_run_is_refused_not_resumed(cli, root):
     run = torture._Train(cmd)
     marker = ckpt_dir(pool) / "RUNNING-WITHOUT-UNDO"
     try:
-        assert run.banner.wait(300), run.stderr
+        assert run.wait_banner(300), run.stderr
         deadline = time.monotonic() + 60
         while not marker.exists() and time.monotonic() < deadline and run.proc.poll() is None:
             time.sleep(0.01)

@@ -23,9 +23,10 @@ What is compared, and why it is an honest check
    after a random delay (``random.Random(seed)``, within about the time the remaining steps
    take). Then ``dlrm-cxl recover --json`` runs -- the same ``checkpointing.recover`` that
    ``train`` runs by itself on a pool that needs recovery. A trial is **bit-exact** when the
-   trainer really died of SIGKILL, recovery succeeded, and the recovered ``state_digest`` equals
-   ``ref[committed_step]``: the pool is exactly the state an uninterrupted run has at that step
-   (embedding rows, embedding-optimizer rows, dense parameters and dense optimizer state). Then
+   trainer really died of SIGKILL, recovery succeeded, the recovered ``state_digest`` equals
+   ``ref[committed_step]`` -- the pool is exactly the state an uninterrupted run has at that step
+   (embedding rows, embedding-optimizer rows, dense parameters and dense optimizer state) -- and
+   the committed step is not older than the one the previous trial recovered to. Then
    the *same* train command is started again: it continues from the committed step, and the next
    trial kills it. A kill that lands after the run has already finished is not a trial; the
    pool is then discarded and the next trial starts on a fresh pool.
@@ -280,6 +281,14 @@ class _Train:
             if watch and line.startswith("dlrm-cxl: pool "):
                 self.banner.set()
 
+    def wait_banner(self, timeout: float) -> bool:
+        """True once the banner is printed; False if the process ended first or time ran out."""
+        deadline = time.monotonic() + timeout
+        while not self.banner.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return self.banner.is_set()
+        return True
+
     def wait(self, timeout: float) -> int:
         rc = self.proc.wait(timeout=timeout)
         for t in self._t:
@@ -345,7 +354,7 @@ def torture(*, trials: int, steps: int, tier: str, preset: str, seed: int, pool_
         remaining = steps - committed
         delay = rnd.uniform(0.0, min(2.0, 0.7 * remaining * step_s))
         run = _Train(train)
-        if not run.banner.wait(timeout=300):
+        if not run.wait_banner(300):
             run.proc.kill()
             run.wait(60)
             log(f"FAIL: trainer printed no banner (rc {run.proc.returncode}):\n{run.stderr[-3000:]}")
@@ -369,7 +378,8 @@ def torture(*, trials: int, steps: int, tier: str, preset: str, seed: int, pool_
             continue
         rep = json.loads(rec.stdout)
         c = rep["committed_step"]
-        good = c is not None and rep["state_digest"] == ref.get(c)
+        # bit-exact at the committed step, and no committed step lost (COMMIT only moves forward)
+        good = c is not None and rep["state_digest"] == ref.get(c) and c >= committed
         ok += good
         log(f"trial {done}/{trials}: killed +{delay * 1e3:.0f} ms after the banner; recovered to step {c} "
             f"(rolled back {rep['rolled_back_steps']}, {rep['rows_restored']} rows): "
