@@ -70,6 +70,11 @@ class Checkpointer(abc.ABC):
     @abc.abstractmethod
     def commit(self, step: int, *, final: bool = False) -> None: ...
 
+    def before_images(self) -> dict[str, torch.Tensor] | None:
+        """The current step's logged rows by table name (in the order they were given), if this
+        checkpointer keeps them: an optimizer can start from them instead of gathering again."""
+        return None
+
     def abort(self) -> None:
         """The step failed before ``commit``: undo whatever ``update`` changed (in memory)."""
 

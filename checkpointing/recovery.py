@@ -177,8 +177,10 @@ def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: st
                     restored.setdefault(r.table, []).append(r.ids)
                 if crash_phase == "mid-rollback" and i == 0:
                     die("recovery mid-rollback")
-            for name, ids in restored.items():
-                pool.table(name).persist(torch.cat(ids))
+            for name in restored:
+                # Every row this process changed is a restored row: persisting the table's dirty
+                # rows persists exactly them, with page-coalesced writes (not one per row).
+                pool.table(name).persist()
             if crash_phase == "before-invalidate":
                 die("recovery before-invalidate")
         if not dry_run and commit is not None and "rewrite_from" in commit:

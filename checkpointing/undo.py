@@ -175,6 +175,11 @@ class UndoLogCheckpointer(Checkpointer):
         self._log.submit((self._step, slot, records))
         self.stats.critical_seconds += time.perf_counter() - t0
 
+    def before_images(self) -> dict[str, torch.Tensor] | None:
+        if self._records is None:
+            return None
+        return {r.table: r.before for r in self._records}
+
     def _acquire_slot(self, step: int) -> Path:
         with self._slots_lock:
             full = len(self._pending) >= self.max_pending

@@ -308,7 +308,7 @@ class Trainer:
                 self._diverged(k, float(loss.detach()))
             self.dense_opt.zero_grad(set_to_none=True)
             loss.backward()
-            updates = self.sparse_opt.compute(plan, pooled.grad)
+            updates = self.sparse_opt.compute(plan, pooled.grad, ck.before_images())
             ck.persist()
             half = len(updates) // 2
 
@@ -344,7 +344,7 @@ class Trainer:
             d.average_gradients(self.model.parameters())
             # d(mean over the global batch)/d(pooled) = (1/W) * d(local mean)/d(pooled)
             grad = d.grads_to_owners(pooled.grad / d.world)
-            updates = self.sparse_opt.compute(plan, grad)
+            updates = self.sparse_opt.compute(plan, grad, ck.before_images())
             ck.persist()
             half = len(updates) // 2
 

@@ -16,7 +16,6 @@ import random
 import shutil
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,6 @@ from checkpointing import UndoLogCheckpointer, checkpoint_status, recover, state
 from checkpointing.store import (PAYLOAD_OFFSET, SEAL, UndoRecord, ckpt_dir, read_commit, read_dense, read_slot,
                                  scan_slots, write_commit, write_dense, write_slot)
 from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError, destroy_pool
-from memory_pool.errors import RecoveryError
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("dlrm_cxl_torture", REPO / "tools" / "torture.py")
