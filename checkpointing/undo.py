@@ -234,6 +234,10 @@ class UndoLogCheckpointer(Checkpointer):
             for r in self._records:
                 t = self._tables[r.table]
                 t._scatter(r.ids, r.before)
+            # Durable before the slot goes: a background checkpoint may already have persisted
+            # this step's new values, and without the slot nothing could undo them any more.
+            for r in self._records:
+                self._tables[r.table].persist(r.ids)
         self._updated = False
         self._step = None
         if self._records is not None:
@@ -346,34 +350,48 @@ class NoCheckpointer(Checkpointer):
 
     name = "none"
 
-    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, **_):
+    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, crash: CrashPlan | None = None, **_):
         self.pool = pool
         self.dense_state = dense_state
+        self.crash = crash
         self.dir = ckpt_dir(pool.storage_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stats = CheckpointStats()
         self._marked = False
         self._step = None
 
+    def hit(self, phase: str) -> None:
+        if self.crash is not None and self._step is not None:
+            self.crash.hit(self._step, phase)
+
     def begin_step(self, step):
         self._step = step
         if not self._marked:
             atomic_write(self.dir / RUNNING_MARKER, f"{step}\n".encode())
             self._marked = True
+        if self.crash is not None:
+            self.crash.arm_random(step)
 
+    # No log is written; the crash phases fire at the same points of the step as with undo.
     def log_before_image(self, touched):
-        pass
+        self.hit("before-log")
+        self.hit("mid-log")
 
     def persist(self):
-        pass
+        self.hit("after-log")
 
     def update(self, fn):
         fn()
+        self.hit("after-update")
 
     def commit(self, step, *, final=False):
         self.stats.steps += 1
+        for phase in ("mid-dense", "before-commit"):
+            self.hit(phase)
         if final:
             self.checkpoint_now(step)
+        self.hit("after-commit")
+        self._step = None
 
     def checkpoint_now(self, step: int) -> None:
         t_bytes = self.pool.persist()

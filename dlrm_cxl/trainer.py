@@ -261,6 +261,10 @@ class Trainer:
         else:
             d = ckpt_dir(self.pool.storage_dir)
             commit = read_commit(d)
+            if commit is None:
+                raise PoolFormatError(
+                    f"{self.pool.path} holds tables but no checkpoint: its creation was interrupted "
+                    f"before the first commit", hint="start over with --fresh")
             state = read_dense(d / commit["dense_file"], commit["dense_crc32"])
             self._load_dense(state)
 
@@ -310,15 +314,19 @@ class Trainer:
             loss.backward()
             updates = self.sparse_opt.compute(plan, pooled.grad, ck.before_images())
             ck.persist()
-            half = len(updates) // 2
-
-            def apply():
-                self.sparse_opt.apply(updates, between=lambda i: ck.hit("mid-update") if i == half - 1 else None)
-                self.dense_opt.step()
-
-            ck.update(apply)
+            self._apply(ck, updates)
             self.step = k
         return float(loss.detach())
+
+    def _apply(self, ck, updates) -> None:
+        # "mid-update" fires after half of the tables (after the first, with one table).
+        half = max(1, len(updates) // 2)
+
+        def apply():
+            self.sparse_opt.apply(updates, between=lambda i: ck.hit("mid-update") if i == half - 1 else None)
+            self.dense_opt.step()
+
+        ck.update(apply)
 
     def _diverged(self, k: int, loss: float):
         # Nothing of step k was applied; abort() (leaving the step block) drops its undo log.
@@ -346,13 +354,7 @@ class Trainer:
             grad = d.grads_to_owners(pooled.grad / d.world)
             updates = self.sparse_opt.compute(plan, grad, ck.before_images())
             ck.persist()
-            half = len(updates) // 2
-
-            def apply():
-                self.sparse_opt.apply(updates, between=lambda i: ck.hit("mid-update") if i == half - 1 else None)
-                self.dense_opt.step()
-
-            ck.update(apply)
+            self._apply(ck, updates)
             self.step = k
         return global_loss
 

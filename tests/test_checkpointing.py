@@ -243,8 +243,6 @@ def test_an_updated_step_that_never_commits_is_rolled_back_by_recover(tmp_pool_d
     assert not again.needed and again.state_digest == d0
 
 
-@pytest.mark.xfail(reason="undo.py abort(): the failed step's undo slot is invalidated before its restored rows "
-                          "are durable", strict=False)
 def test_a_failed_step_leaves_the_media_at_the_previous_step(tmp_pool_dir):
     """power-sim: only persisted stores survive. A checkpoint running in the background may
     persist rows a later step has already changed (allowed: that step's undo records cover

@@ -476,18 +476,15 @@ def test_dry_run_changes_nothing_and_reports_what_it_would_roll_back(cli, root, 
     assert healthy["state_digest"] == as_json(cli.run(["inspect", "--pool", pool, "--json"]))["state_digest"]
 
 
-# --------------------------------------------------------------------------- known bugs elsewhere
+# --------------------------------------------------------------------------- edge cases of crash injection and creation
 
 
-@pytest.mark.xfail(reason="undo.py NoCheckpointer ignores crash=: --crash-at never fires with --checkpoint none",
-                   strict=False)
 def test_crash_at_fires_with_checkpoint_none(cli, root):
     r = cli.run(["train", "--pool", root / "none-crash-at", *flags("pmem"), "--steps", 4, "--checkpoint", "none",
                  "--crash-at", "2:after-update"])
     assert killed(r), r.returncode
 
 
-@pytest.mark.xfail(reason="trainer.py: mid-update fires at update half-1, never with one table", strict=False)
 def test_mid_update_fires_with_a_single_table_model(cli, root, tmp_path):
     cfg = tmp_path / "one.json"
     cfg.write_text(json.dumps({"feature_names": ["c1"], "num_embeddings": [100]}))
@@ -496,8 +493,6 @@ def test_mid_update_fires_with_a_single_table_model(cli, root, tmp_path):
     assert killed(r), r.returncode
 
 
-@pytest.mark.xfail(reason="trainer.py _build: a pool killed before its step-0 COMMIT -> TypeError (exit 1)",
-                   strict=False)
 def test_pool_killed_before_its_first_commit_gives_a_clear_error(cli, root):
     pool = root / "no-first-commit"
     digest_of(cli.run(["train", "--pool", pool, *flags("pmem"), "--steps", 0]))
