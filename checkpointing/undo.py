@@ -110,7 +110,7 @@ class UndoLogCheckpointer(Checkpointer):
     name = "undo"
 
     def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, dense_every: int = 1,
-                 crash: CrashPlan | None = None, max_pending_slots: int = 64, coordinator=None):
+                 crash: CrashPlan | None = None, max_pending_slots: int | None = None, coordinator=None):
         """``coordinator`` (several ranks): has ``global_min(int) -> int`` over all ranks. With
         one, checkpoints follow a fixed schedule (every ``dense_every`` steps, waiting for the
         previous one) so every rank has a snapshot at the same steps, and undo slots are
@@ -121,6 +121,10 @@ class UndoLogCheckpointer(Checkpointer):
         self.dense_state = dense_state
         self.dense_every = dense_every
         self.crash = crash
+        # One process: a full log (64 steps since the last recovery point) forces a checkpoint.
+        # Several ranks follow a fixed schedule instead: room for two intervals and one in flight.
+        if max_pending_slots is None:
+            max_pending_slots = 64 if coordinator is None else max(64, 2 * dense_every + 8)
         self.max_pending = max_pending_slots
         self.dir = ckpt_dir(pool.storage_dir)
         self.undo_dir = self.dir / "undo"

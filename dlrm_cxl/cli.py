@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, default=0)
     t.add_argument("--eval-batches", type=int, default=4)
     t.add_argument("--checkpoint", choices=["undo", "none"], default="undo")
-    t.add_argument("--dense-every", type=int, default=1, help="dense snapshot (recovery point) every N steps")
+    t.add_argument("--dense-every", type=int, default=None,
+                   help="recovery point (dense snapshot + persisted rows) every N steps; default by tier: "
+                        "1 on shm, dram and real pmem, 10 on power-sim, 50 on emulated pmem (page-granular msync)")
     t.add_argument("--crash-at", metavar="STEP:PHASE",
                    help=f"SIGKILL this process at STEP in PHASE ({', '.join(PHASES)})")
     t.add_argument("--crash-rank", type=int, default=0, help="with torchrun: the rank --crash-at kills")

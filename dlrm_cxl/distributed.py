@@ -162,11 +162,29 @@ class DistContext:
         return out
 
 
+def _incarnation_store(rank: int, world: int) -> dist.Store:
+    """The rendezvous store of this incarnation of the job.
+
+    torchrun's elastic restart reuses one store for every incarnation; with the default keys a
+    restarted rank can read the address a dead rank published before the restart, and gloo's
+    connect then fails ("Connection refused") or hangs. Prefixing the keys with the restart
+    count gives every incarnation keys of its own."""
+    from datetime import timedelta
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=(rank == 0 and not agent), timeout=timedelta(minutes=5),
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"dlrm-cxl/incarnation-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
 def init_distributed(device: str, num_features: int) -> DistContext:
     """Join the job torchrun started (env:// rendezvous): gloo on CPU, NCCL on CUDA."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, store=_incarnation_store(rank, world), rank=rank,
+                                world_size=world)
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -60,7 +60,7 @@ class TrainOptions:
     eval_batches: int = 4
     eval_data: str | None = None
     checkpoint: str = "undo"           # undo | none
-    dense_every: int = 1
+    dense_every: int | None = None     # None: by tier, see default_dense_every
     crash_at: tuple[int, str] | None = None
     crash_rank: int = 0                # several ranks: which rank --crash-at kills
     threads: int | None = None
@@ -77,7 +77,7 @@ def validate_options(o: TrainOptions) -> None:
         raise ValueError(f"--steps must be a non-negative integer, got {o.steps!r}")
     if o.checkpoint not in ("undo", "none"):
         raise ValueError(f"--checkpoint must be undo or none, got {o.checkpoint!r}")
-    if o.dense_every < 1:
+    if o.dense_every is not None and o.dense_every < 1:
         raise ValueError(f"--dense-every must be >= 1, got {o.dense_every}")
     if o.eval_every < 0 or o.eval_batches < 1:
         raise ValueError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {o.eval_every}, {o.eval_batches}")
@@ -109,6 +109,24 @@ class TrainSummary:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def default_dense_every(pool: MemoryPool) -> int:
+    """Steps between recovery points when --dense-every is not given, by what a persist costs.
+
+    shm, dram and real persistent memory persist a row for (almost) nothing, so every step is a
+    recovery point. Emulated pmem persists through msync, which writes back whole 4 KiB pages
+    and makes the next store to each of them fault: with ~15k scattered rows changed per
+    `small` step that is ~60 MB of writeback and ~15k faults a step, so recovery points are
+    spaced out (measured on a 2-core machine: msync every step halves the steps/s, every 50
+    steps costs ~10%; tools/bench_train.py --tiers pmem --dense-every N). power-sim writes
+    pages with pwrite and takes no faults: every 10 steps.
+    """
+    if pool.tier == "pmem" and not pool.real_pmem:
+        return 50
+    if pool.tier == "power-sim":
+        return 10
+    return 1
 
 
 def data_spec(cfg: ModelConfig) -> DataSpec:
@@ -253,7 +271,8 @@ class Trainer:
         self._positions: dict[int, dict | None] = {}
         ckpt_cls = UndoLogCheckpointer if o.checkpoint == "undo" else NoCheckpointer
         extra = {"coordinator": self.dist} if self.dist is not None and o.checkpoint == "undo" else {}
-        self.ckpt = ckpt_cls(self.pool, self._dense_state, dense_every=o.dense_every, crash=self.crash, **extra)
+        self.dense_every = o.dense_every or default_dense_every(self.pool)
+        self.ckpt = ckpt_cls(self.pool, self._dense_state, dense_every=self.dense_every, crash=self.crash, **extra)
         if created:
             self.step = 0
             self._positions[0] = None
@@ -363,7 +382,7 @@ class Trainer:
         o = self.o
         start = self.step
         self.log(f"dlrm-cxl: pool {o.pool} | tier {self.pool.tier}: {self.pool.durability} | "
-                 f"checkpoint {o.checkpoint} (dense every {o.dense_every}) | step {start} -> {o.steps}")
+                 f"checkpoint {o.checkpoint} (recovery point every {self.dense_every} steps) | step {start} -> {o.steps}")
         losses: list[float] = []
         evals = []
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ def _torchrun(pool: Path, *extra: str, restarts: int = 0, steps: int = 8) -> sub
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = TORCHRUN + ["--max-restarts", str(restarts), "-m", "dlrm_cxl", "train", "--pool", str(pool),
                       "--preset", "tiny", "--steps", str(steps), "--no-progress", "--threads", "1", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
 def _digest(out: subprocess.CompletedProcess) -> str:
