@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 

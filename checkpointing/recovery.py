@@ -15,7 +15,6 @@ Idempotent: a crash anywhere in 2–4 leaves records that, applied again, give t
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

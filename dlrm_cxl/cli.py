@@ -131,7 +131,7 @@ def model_config_from_args(args, *, default_preset: str | None = "small", base=N
 
     ``base``: the config of the existing pool; flags without --preset override it (not the
     default preset), so that e.g. ``--lr`` on a tiny pool is reported as an lr change."""
-    from .model import PRESETS, EmbeddingOptimizerConfig, ModelConfig, validate_model_config
+    from .model import PRESETS, ModelConfig, validate_model_config
 
     given = [f for f in _MODEL_FLAGS if getattr(args, f, None) is not None]
     if getattr(args, "preset", None) is None and not given:

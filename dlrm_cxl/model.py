@@ -21,7 +21,7 @@ One training step, as the trainer drives it::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch

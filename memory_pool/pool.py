@@ -25,9 +25,9 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F

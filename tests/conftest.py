@@ -45,6 +45,28 @@ def _remove_pools_under(root: Path) -> None:
             shutil.rmtree(storage, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def cli():
+    """Runs the CLI in real processes forked from one warm interpreter (tools/torture.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dlrm_cxl_torture_cli", Path(__file__).parents[1] / "tools" / "torture.py")
+    torture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(torture)
+    c = torture.Cli()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def root(request, tmp_path_factory) -> Path:
+    """A directory shared by a test module's pools; every pool under it is destroyed afterwards."""
+    d = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield d
+    _remove_pools_under(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture
 def tmp_pool_dir(tmp_path) -> Path:
     """A path for a pool (not created). Every pool made under tmp_path is destroyed afterwards."""

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import checkpointing
 from checkpointing import UndoLogCheckpointer, checkpoint_status, recover, state_digest
 from checkpointing.store import (PAYLOAD_OFFSET, SEAL, UndoRecord, ckpt_dir, read_commit, read_dense, read_slot,
                                  scan_slots, write_commit, write_dense, write_slot)
-from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError, destroy_pool
+from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("dlrm_cxl_torture", REPO / "tools" / "torture.py")
@@ -42,23 +41,6 @@ def ok_json(proc) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.fixture(scope="module")
-def cli():
-    c = torture.Cli()
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    d = tmp_path_factory.mktemp("checkpointing")
-    yield d
-    for header in list(d.rglob("pool.json")):
-        try:
-            destroy_pool(header.parent)
-        except Exception:
-            pass
-    shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- formats (store.py)

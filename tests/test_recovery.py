@@ -32,7 +32,6 @@ import pytest
 
 import checkpointing
 from checkpointing.store import PAYLOAD_OFFSET, ckpt_dir, read_commit, scan_slots
-from memory_pool import destroy_pool
 from memory_pool.errors import RecoveryError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,23 +82,6 @@ def copy_pool(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def cli():
-    c = torture.Cli()
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    d = tmp_path_factory.mktemp("recovery")
-    yield d
-    for header in list(d.rglob("pool.json")):
-        try:
-            destroy_pool(header.parent)
-        except Exception:
-            pass
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
