@@ -170,9 +170,7 @@ def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: st
             for i, (s, records) in enumerate(todo):  # newest first
                 for r in records:
                     t = pool.table(r.table)
-                    raw = t.view().view(torch.uint8)
-                    raw.index_copy_(0, r.ids, r.before)
-                    t._region.mark_dirty(r.ids)
+                    t._region.restore_rows(r.ids, r.before)
                     restored.setdefault(r.table, []).append(r.ids)
                 if crash_phase == "mid-rollback" and i == 0:
                     die("recovery mid-rollback")

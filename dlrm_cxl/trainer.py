@@ -106,6 +106,7 @@ class TrainSummary:
     recovered: dict | None
     eval: list = field(default_factory=list)
     pool_stats: dict = field(default_factory=dict)
+    distributed: dict | None = None    # world size, seconds in exchanges and in commit agreement
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -426,7 +427,10 @@ class Trainer:
             epochs=(last_pos or {}).get("epoch") if isinstance(last_pos, dict) else None,
             checkpoint=self.ckpt.stats.as_dict(),
             recovered=self.recovery.as_dict() if self.recovery else None,
-            eval=evals, pool_stats=self.pool.stats.as_dict())
+            eval=evals, pool_stats=self.pool.stats.as_dict(),
+            distributed=None if self.dist is None else {
+                "world_size": self.dist.world, "comm_seconds": self.dist.comm_seconds,
+                "coord_seconds": self.dist.coord_seconds})
         return summary
 
     def evaluate(self, batches: int, data: str | None = None) -> dict:

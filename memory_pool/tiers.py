@@ -94,6 +94,11 @@ class Region:
     def mark_dirty(self, ids: torch.Tensor) -> None:
         pass
 
+    def restore_rows(self, ids: torch.Tensor, raw: torch.Tensor) -> None:
+        """Set rows ``ids`` to ``raw`` ([n, row_bytes] uint8): recovery's write path."""
+        self.tensor.view(torch.uint8).index_copy_(0, ids, raw)
+        self.mark_dirty(ids)
+
     def persist_rows(self, ids: torch.Tensor) -> int:
         """Make the given rows durable; returns bytes persisted."""
         return 0
@@ -210,6 +215,21 @@ class SharedFileRegion(_FileRegion):
         if self.tier == "pmem":
             with self._lock:
                 self._dirty[ids] = True
+
+    def restore_rows(self, ids, raw):
+        if self.is_pmem or self.read_only:
+            return super().restore_rows(ids, raw)
+        # Through the file, not the mapping: a store to each of ~60k scattered pages of a freshly
+        # opened shared mapping takes a page fault (and a journal entry on ext4) per page; pwrite
+        # updates the same page cache without them (recovery of a `kaggle` step: 1.3 s -> ~0.1 s).
+        data = raw.contiguous().numpy()
+        rb = self.row_bytes
+        try:
+            for i, row in enumerate(ids.tolist()):
+                os.pwrite(self.fd, data[i], row * rb)
+        except OSError as exc:
+            raise_if_full(exc, f"restoring rows of {self.path}")
+        self.mark_dirty(ids)
 
     def _flush(self, start: int, end: int) -> None:
         if self.libpmem is not None:

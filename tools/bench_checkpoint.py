@@ -139,8 +139,14 @@ def time_readback(pool_path: Path, reps: int) -> tuple[list[float], int]:
         for f in files:
             n = f.stat().st_size
             buf = torch.empty(n, dtype=torch.uint8)
+            view = memoryview(buf.numpy())
+            got = 0
             with open(f, "rb", buffering=0) as fh:
-                got = fh.readinto(memoryview(buf.numpy()))
+                while got < n:  # one read() returns at most ~2 GiB on Linux
+                    k = fh.readinto(view[got:])
+                    if not k:
+                        break
+                    got += k
             if got != n:
                 raise RuntimeError(f"short read of {f}: {got} of {n} bytes")
             total += n
