@@ -38,6 +38,8 @@ the newest durable checkpoint (here at most ``every - 1``).
 
 from __future__ import annotations
 
+import abc
+
 import os
 import time
 from pathlib import Path
@@ -130,8 +132,9 @@ class _Synchronous(Checkpointer):
         self.stats.checkpoints += 1
         self.stats.last_commit_step = step
 
-    def _write(self, step: int) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _write(self, step: int) -> None:
+        """Write the checkpoint of ``step`` durably (the subclass's format)."""
 
 
 class FullSaveCheckpointer(_Synchronous):

@@ -211,8 +211,8 @@ def process_group(tmp_path_factory):
     import torch.distributed as dist
 
     created = False
-    if dist.is_initialized() and dist.get_world_size() != 1:
-        pytest.skip("another test left a process group of more than one rank initialised")
+    assert not (dist.is_initialized() and dist.get_world_size() != 1), \
+        "another test left a process group of more than one rank initialised in this process"
     if not dist.is_initialized():
         store = tmp_path_factory.mktemp("gloo") / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
