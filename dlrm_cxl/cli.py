@@ -469,19 +469,17 @@ def _load_torchrec_state(path: Path, cfg) -> dict:
 
 
 def _cmd_import(args) -> int:
-    import torch
-
     from checkpointing import UndoLogCheckpointer
     from memory_pool import MemoryPool, destroy_pool
 
     from .model import PoolDLRM
-    from .trainer import _create_tables, build_dense_optimizer
+    from .trainer import build_dense_optimizer, capture_dense_state, create_model_tables
 
     cfg = model_config_from_args(args)
     state = _load_torchrec_state(args.state, cfg)
     pool = MemoryPool.create(args.pool, tier=args.tier)
     try:
-        _create_tables(pool, cfg, 0)
+        create_model_tables(pool, cfg, 0)
         model = PoolDLRM(cfg, pool)
         try:
             model.import_torchrec(state)
@@ -490,12 +488,8 @@ def _cmd_import(args) -> int:
                              f"{str(exc).strip().splitlines()[0]}") from None
         pool.set_meta(model=cfg.to_dict(), seed=0, data="synthetic", kind="dlrm-cxl-trainer")
         opt = build_dense_optimizer(cfg, model.parameters())
-        ck = UndoLogCheckpointer(pool, lambda s: {"step": s, "model": model.state_dict(),
-                                                  "optimizer": opt.state_dict(), "data_position": None,
-                                                  "rng": {"torch": torch.get_rng_state(),
-                                                          "python": __import__("random").getstate(),
-                                                          "numpy": __import__("numpy").random.get_state()}})
-        ck.checkpoint_now(0)
+        ck = UndoLogCheckpointer(pool, lambda step: capture_dense_state(step, model, opt, None))
+        ck.checkpoint_now(0)  # step 0 of the imported model is its first recovery point
         ck.close()
     except BaseException:
         pool.close()

@@ -30,7 +30,8 @@ from .data import DataSpec, Prefetcher, SyntheticData, make_data_source
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 
 __all__ = ["TrainOptions", "Trainer", "TrainSummary", "evaluate", "open_training_pool", "data_spec",
-           "build_dense_optimizer", "EVAL_SEED_OFFSET", "HeldOutSynthetic"]
+           "build_dense_optimizer", "EVAL_SEED_OFFSET", "HeldOutSynthetic", "capture_dense_state",
+           "create_model_tables", "default_dense_every"]
 
 EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches start here: same problem, batches training never reads
 
@@ -143,7 +144,8 @@ def build_dense_optimizer(cfg: ModelConfig, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=cfg.dense_lr)
 
 
-def _create_tables(pool: MemoryPool, cfg: ModelConfig, seed: int, features: list[int] | None = None) -> None:
+def create_model_tables(pool: MemoryPool, cfg: ModelConfig, seed: int, features: list[int] | None = None) -> None:
+    """The model's embedding tables (and optimizer-state tables) in ``pool``, initialised."""
     features = list(range(len(cfg.feature_names))) if features is None else features
     for f in features:
         # TorchRec's default init: uniform in [-sqrt(1/n), sqrt(1/n)]; seeded per table, so a
@@ -204,7 +206,7 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
         raise ValueError("a new pool needs a model config (pass --preset)")
     pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes)
     try:
-        _create_tables(pool, cfg, o.seed, features)
+        create_model_tables(pool, cfg, o.seed, features)
         pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, zipf_alpha=o.zipf_alpha,
                       kind="dlrm-cxl-trainer")
         if o.dram_cache_bytes is not None:
@@ -290,15 +292,7 @@ class Trainer:
 
     # -- dense state
     def _dense_state(self, step: int) -> dict:
-        opt_state = self.dense_opt.state_dict()
-        return {
-            "step": step,
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-            "optimizer": _clone_tree(opt_state),
-            "data_position": self._positions.get(step),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()},
-        }
+        return capture_dense_state(step, self.model, self.dense_opt, self._positions.get(step))
 
     def _load_dense(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -447,6 +441,19 @@ class Trainer:
             self.ckpt.close()
         finally:
             self.pool.close()
+
+
+def capture_dense_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        data_position: dict | None) -> dict:
+    """Everything but the tables that a resume at ``step`` needs, copied (to CPU) now: dense
+    parameters, dense optimizer state, data position and RNG states. The dense snapshot."""
+    return {
+        "step": step,
+        "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        "optimizer": _clone_tree(optimizer.state_dict()),
+        "data_position": data_position,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+    }
 
 
 def _clone_tree(obj):
