@@ -39,8 +39,8 @@ the newest durable checkpoint (here at most ``every - 1``).
 from __future__ import annotations
 
 import abc
+import io
 
-import os
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -48,7 +48,7 @@ from typing import Callable, Iterable
 import torch
 
 from memory_pool import MemoryPool
-from memory_pool._fs import fsync_dir, raise_if_full
+from memory_pool._fs import atomic_write
 
 from .base import Checkpointer, CheckpointStats, Touched
 
@@ -64,25 +64,13 @@ def baseline_dir(pool: MemoryPool) -> Path:
 
 
 def durable_torch_save(obj, path: Path) -> int:
-    """``torch.save(obj)`` to ``path`` so that a crash leaves the old or the new file:
-    temporary name, fsync, rename, fsync of the directory. Returns the file's size in bytes."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise_if_full(exc, f"writing {path}")
-    return size
+    """``torch.save(obj)`` to ``path`` so that a crash leaves the old or the new file (through
+    memory_pool's atomic_write: temporary name, fsync, rename, fsync of the directory).
+    Returns the file's size in bytes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write(Path(path), buf.getbuffer())
+    return buf.getbuffer().nbytes
 
 
 def _pool_tables(pool: MemoryPool) -> list:
