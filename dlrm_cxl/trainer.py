@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from checkpointing import (CrashPlan, NoCheckpointer, UndoLogCheckpointer, checkpoint_status, read_commit,
                            read_dense, recover, state_digest)
+from checkpointing.job import is_job
 from checkpointing.store import ckpt_dir
 from memory_pool import ConfigMismatchError, MemoryPool, PoolFormatError, TrainingDivergedError, destroy_pool
 
@@ -163,6 +164,10 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
     ``coordinator.global_min`` agrees with the other ranks on the step to recover to.
     """
     path = Path(o.pool) if path is None else Path(path)
+    if coordinator is None and is_job(path):
+        raise ConfigMismatchError(f"{path} holds a job of several ranks (job.json, rank-*/)",
+                                  hint="train it with torchrun --nproc_per_node N -m dlrm_cxl train, "
+                                       "or pick another --pool")
     if o.fresh and coordinator is None and path.exists():
         destroy_pool(path)
         log(f"--fresh: removed the pool at {path}")

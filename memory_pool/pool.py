@@ -740,8 +740,15 @@ class MemoryPool:
 
 
 def destroy_pool(path) -> None:
-    """Delete a pool directory and its shm region (if any). Takes the writer lock first."""
+    """Delete a pool directory and its shm region (if any). Takes the writer lock first.
+
+    A directory without a pool header (and not empty) is refused, not deleted: ``--fresh`` on a
+    mistyped ``--pool`` must never remove someone's files. A pool with a damaged header is a pool.
+    """
     path = Path(path)
+    if path.is_dir() and not (path / HEADER).exists() and any(path.iterdir()):
+        raise PoolFormatError(f"{path} is not a pool (no {HEADER}); refusing to delete it",
+                              hint="check --pool; only pool directories are deleted")
     try:
         header = read_header(path)
     except PoolFormatError:

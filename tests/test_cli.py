@@ -345,3 +345,15 @@ def test_diverged_training_is_exit_8(tmp_path):
     code, _, err = run_main("train", "--pool", tmp_path / "p", *TINY, "--steps", 10,
                             "--dense-optimizer", "sgd", "--dense-lr", "1e30")
     assert_clean_error(code, err, 8, "loss is", "learning rate")
+
+
+def test_fresh_on_a_directory_that_is_not_a_pool_deletes_nothing(tmp_path, capsys):
+    from dlrm_cxl.cli import main
+
+    d = tmp_path / "mydata"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep me")
+    rc = main(["train", "--pool", str(d), "--preset", "tiny", "--steps", "1", "--fresh", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "not a pool" in err and "hint:" in err
+    assert (d / "notes.txt").read_text() == "keep me"

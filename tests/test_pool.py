@@ -1250,3 +1250,16 @@ def test_persist_on_volatile_and_shm_tiers_counts_calls_but_flushes_nothing(tmp_
             t.write([1], torch.ones(1, DIM))
             assert t.persist() == 0 and t.persist([1]) == 0
             assert pool.stats.persist_calls == calls + 2 and pool.stats.bytes_persisted == 0
+
+
+def test_destroy_pool_refuses_a_directory_that_is_not_a_pool(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "precious.txt").write_text("keep me")
+    with pytest.raises(PoolFormatError, match="not a pool") as err:
+        destroy_pool(d)
+    assert err.value.hint
+    assert (d / "precious.txt").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    destroy_pool(tmp_path / "empty")  # an empty directory holds nothing to lose
+    assert not (tmp_path / "empty").exists()
