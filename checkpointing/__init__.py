@@ -8,10 +8,9 @@ its relaxation window, :mod:`checkpointing.store` for the on-media formats and
 from .base import Checkpointer, CheckpointStats
 from .crash import PHASES, CrashPlan, parse_crash_at
 from .digest import state_digest
-from .recovery import RecoveryReport, checkpoint_status, recover
-from .store import read_commit, read_dense
+from .recovery import RecoveryReport, checkpoint_status, committed_state, recover
 from .undo import NoCheckpointer, UndoLogCheckpointer
 
 __all__ = ["Checkpointer", "CheckpointStats", "UndoLogCheckpointer", "NoCheckpointer", "CrashPlan",
            "PHASES", "parse_crash_at", "recover", "RecoveryReport", "checkpoint_status", "state_digest",
-           "read_commit", "read_dense"]
+           "committed_state"]

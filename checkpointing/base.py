@@ -40,6 +40,7 @@ class CheckpointStats:
     checkpoints: int = 0               # durable commit records written
     last_commit_step: int = 0
     max_commit_lag: int = 0            # most steps between a step and a durable commit at or after it
+    commit_wait_seconds: float = 0.0   # part of critical: waiting for the previous step to be durable
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -70,6 +71,9 @@ class Checkpointer(abc.ABC):
     @abc.abstractmethod
     def commit(self, step: int, *, final: bool = False) -> None: ...
 
+    def mark_updated(self) -> None:
+        """The current step's rows changed in place outside ``update`` (a fused backward)."""
+
     def before_images(self) -> dict[str, torch.Tensor] | None:
         """The current step's logged rows by table name (in the order they were given), if this
         checkpointer keeps them: an optimizer can start from them instead of gathering again."""
@@ -80,6 +84,9 @@ class Checkpointer(abc.ABC):
 
     def hit(self, phase: str) -> None:
         """Crash-injection point inside a step (no-op unless a crash is planned here)."""
+
+    def drain(self) -> None:
+        """Wait for background work (benchmarks: so that it never spills into another window)."""
 
     def close(self) -> None:
         """Wait for background work; after this every committed step is durable."""

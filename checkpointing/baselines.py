@@ -207,6 +207,6 @@ def apply_increments(pool: MemoryPool, paths: Iterable) -> dict | None:
     for p in sorted(Path(x) for x in paths):
         doc = torch.load(p, weights_only=False)
         for name, r in doc["rows"].items():
-            pool.table(name)._scatter(r["ids"], r["values"])
+            pool.table(name).scatter_rows(r["ids"], r["values"])
         dense = doc["dense"]
     return dense

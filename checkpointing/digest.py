@@ -1,8 +1,21 @@
-"""``state_digest``: one hash over the whole model state, to compare pools bit for bit.
+"""``state_digest``: one hash over the whole training state, to compare pools bit for bit.
 
-Covers every embedding row and every embedding-optimizer row (all pool tables, by name), every
-dense parameter and buffer, and the dense optimizer's state. Not the data position or RNG
-states (they are restored too, but two runs that agree on the model agree on those).
+Covers, in this order and each under a tag of its own:
+
+* every pool table, by name in sorted order (the name is hashed with the rows): the embedding
+  rows and the embedding-optimizer rows (``<table>.adagrad``);
+* the dense snapshot's ``model`` (every dense parameter and buffer) and ``optimizer`` (the
+  dense optimizer's state_dict);
+* its ``data_position`` (where the data stream resumes: a small JSON-able dict, or None) and
+  its ``rng`` states (``torch``: the CPU generator's state tensor, ``python``:
+  ``random.getstate()``, ``numpy``: ``np.random.get_state()``), when the snapshot has them.
+  These are part of what "resumes bit for bit" means: two runs that agree on the model but
+  would read different data next, or draw different random numbers, are not the same state.
+
+Hashing is canonical: tensors and ndarrays by dtype, shape and raw bytes; dicts by their keys
+in sorted order; lists and tuples alike (a snapshot that went through a serialiser turning one
+into the other hashes the same), with their lengths, so nesting is unambiguous; numpy scalars
+as the Python numbers they hold; other leaves by their JSON text (``repr`` when not JSON-able).
 """
 
 from __future__ import annotations
@@ -10,9 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+import numpy as np
 import torch
 
-__all__ = ["state_digest", "combine_digests"]
+__all__ = ["state_digest", "model_digest", "combine_digests"]
 
 
 def _tensor_bytes(h, t: torch.Tensor) -> None:
@@ -24,20 +38,44 @@ def _tensor_bytes(h, t: torch.Tensor) -> None:
 
 def _update_obj(h, obj) -> None:
     if isinstance(obj, torch.Tensor):
+        h.update(b"T")
         _tensor_bytes(h, obj)
+    elif isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:  # raw bytes of an object array are pointers: hash the values
+            h.update(f"O{obj.shape}".encode())
+            _update_obj(h, obj.tolist())
+        else:
+            a = np.ascontiguousarray(obj)
+            h.update(f"A{a.dtype.str}{a.shape}".encode())
+            h.update(memoryview(a.reshape(-1).view(np.uint8)).cast("B"))
+    elif isinstance(obj, np.generic):
+        _update_obj(h, obj.item())
     elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            h.update(f"<{k}>".encode())
+        h.update(f"{{{len(obj)}".encode())
+        for k in sorted(obj, key=repr):
+            h.update(f"<{k!r}>".encode())
             _update_obj(h, obj[k])
+        h.update(b"}")
     elif isinstance(obj, (list, tuple)):
+        h.update(f"[{len(obj)}".encode())
         for v in obj:
             _update_obj(h, v)
+        h.update(b"]")
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        b = bytes(obj)
+        h.update(f"B{len(b)}:".encode())
+        h.update(b)
     else:
-        h.update(json.dumps(obj, sort_keys=True, default=str).encode())
+        h.update(b"J")
+        h.update(json.dumps(obj, sort_keys=True, default=repr).encode())
+        h.update(b";")
 
 
-def state_digest(pool, dense_state: dict | None) -> str:
-    """blake2b-256 over the pool's tables and the dense snapshot's model/optimizer state."""
+def state_digest(pool, dense_state: dict | None, *, resume: bool = True) -> str:
+    """blake2b-256 over the pool's tables and the dense snapshot: model, optimizer, data
+    position and RNG states (the last two when ``dense_state`` has them). ``resume=False``:
+    the model only (tables, dense parameters, optimizer state) -- the *model digest*, equal for
+    two runs that trained the same rows from different files (TSV and its zarr conversion)."""
     h = hashlib.blake2b(digest_size=32)
     for name in sorted(pool.tables()):
         h.update(f"[table {name}]".encode())
@@ -47,7 +85,18 @@ def state_digest(pool, dense_state: dict | None) -> str:
         _update_obj(h, dense_state.get("model", {}))
         h.update(b"[optimizer]")
         _update_obj(h, dense_state.get("optimizer", {}))
+        if resume and "data_position" in dense_state:
+            h.update(b"[data_position]")
+            _update_obj(h, dense_state["data_position"])
+        if resume and "rng" in dense_state:
+            h.update(b"[rng]")
+            _update_obj(h, dense_state["rng"])
     return h.hexdigest()
+
+
+def model_digest(pool, dense_state: dict | None) -> str:
+    """:func:`state_digest` without the data position and RNG states."""
+    return state_digest(pool, dense_state, resume=False)
 
 
 def combine_digests(digests: list[str]) -> str:

@@ -3,27 +3,77 @@
 A step is globally committed when every rank has committed it, so recovering a job means:
 read each rank's commit record, take the smallest, G, and bring every rank to G — rolling back
 further a rank that had committed more (it kept the undo records and dense snapshot for that).
+
+``job.json`` (:func:`write_job_file`, :func:`read_job_file`): a JSON object (world size, model,
+seed, data) with a ``crc32`` of its canonical JSON — the object without ``crc32``, sorted keys,
+compact separators: the convention of the pool's ``pool.json`` header. Written through
+``atomic_write`` (tmp, fsync, rename, fsync dir); a damaged or truncated file raises
+``PoolCorruptError`` naming it (exit code 4). The checksum is required.
 """
 
 from __future__ import annotations
 
+import json
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from memory_pool import MemoryPool, PoolFormatError
-from memory_pool.errors import RecoveryError
+from memory_pool._fs import atomic_write
+from memory_pool.errors import PoolCorruptError, RecoveryError
 
 from .digest import combine_digests
-from .store import ckpt_dir, read_commit
 
-__all__ = ["JOB_FILE", "is_job", "rank_dirs", "recover_job", "JobRecoveryReport", "job_committed_steps"]
+__all__ = ["JOB_FILE", "is_job", "rank_dirs", "recover_job", "JobRecoveryReport", "job_committed_steps",
+           "write_job_file", "read_job_file"]
 
 JOB_FILE = "job.json"
 
 
 def is_job(path) -> bool:
     return (Path(path) / JOB_FILE).exists()
+
+
+def _job_crc(body: dict) -> int:
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def write_job_file(path, job: dict) -> None:
+    """Durably write ``DIR/job.json``: ``job`` (JSON-able) plus the crc32 of its canonical JSON."""
+    body = {k: v for k, v in job.items() if k != "crc32"}
+    doc = {**body, "crc32": _job_crc(body)}
+    atomic_write(Path(path) / JOB_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_job_file(path) -> dict:
+    """Read and verify ``DIR/job.json``; returns the job without its ``crc32``.
+
+    Raises ``PoolCorruptError`` (naming the file) when it is not a JSON object, has no checksum
+    or fails it (a flipped byte, a truncated file), ``PoolFormatError`` when it cannot be read."""
+    f = Path(path) / JOB_FILE
+    try:
+        raw = f.read_bytes()
+    except FileNotFoundError:
+        raise PoolFormatError(f"{path} is not a job of several ranks: {JOB_FILE} is missing") from None
+    except OSError as exc:
+        raise PoolFormatError(f"{f}: unreadable job file ({exc})") from None
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PoolCorruptError(f"{f}: job file is not valid JSON ({exc}): truncated or damaged",
+                               hint="the job file is damaged; restore it from a copy, or start over with --fresh") from None
+    body = {k: v for k, v in doc.items() if k != "crc32"}
+    if "crc32" not in doc:
+        raise PoolCorruptError(f"{f}: job file has no checksum (crc32): damaged, or written by an older dlrm-cxl",
+                               hint="start over with --fresh")
+    crc = _job_crc(body)
+    if doc["crc32"] != crc:
+        raise PoolCorruptError(f"{f}: job file checksum mismatch (stored {doc['crc32']}, computed {crc})",
+                               hint="the job file is damaged; restore it from a copy, or start over with --fresh")
+    return body
 
 
 def rank_dirs(path) -> list[Path]:
@@ -35,11 +85,12 @@ def rank_dirs(path) -> list[Path]:
 
 
 def job_committed_steps(path) -> list[int | None]:
+    from .recovery import checkpoint_status
+
     out = []
     for d in rank_dirs(path):
         with MemoryPool.open(d, read_only=True) as pool:
-            c = read_commit(ckpt_dir(pool.storage_dir))
-        out.append(c["step"] if c else None)
+            out.append(checkpoint_status(pool)["committed_step"])
     return out
 
 

@@ -1,16 +1,24 @@
 """Recovery: bring a pool back to its newest recovery point after a crash.
 
-1. Verify everything first, change nothing: the header, the ``COMMIT`` record, the dense
-   snapshot it names, and every undo record of a step after it (checksums, table names,
-   row ranges). Any damage raises :class:`RecoveryError` and the pool is left as it was.
-2. Apply the undo records of every step after ``COMMIT``, newest first (after that each
-   row holds its value at the committed step, whichever later steps touched it).
-3. Persist exactly the restored rows.
-4. Zero the seals of the rolled-back steps, durably, so their records are never applied to
-   a future that re-executes those steps.
+The pool's journal (``memory_pool.journal``) holds the checkpointer's transactions; the newest
+committed one names the recovery point ``C`` and holds its dense state. Opening a pool already
+replays the rows of every committed transaction on a journaled tier (emulated pmem, power-sim),
+so there the rows are at ``C`` before recovery starts; what recovery does:
 
-Idempotent: a crash anywhere in 2–4 leaves records that, applied again, give the same rows
-(they are absolute before-images, and the committed state is their fixed point).
+1. Verify everything it will use first, change nothing: the dense state of the target step and
+   every ``UNDO`` record it will apply (checksums, table names, row ranges), and that no record
+   of the unfinished tail is damaged where it matters (direct tiers: a bad undo record followed
+   by a valid one). Any damage raises :class:`RecoveryError` (exit 4) and the pool is left as it
+   was.
+2. Apply the ``UNDO`` records of every step after the target, newest first (direct tiers: the
+   unfinished steps changed rows in place; with several ranks, also committed steps after the
+   step every rank committed). Persist the restored rows where that means something.
+3. Drop the unfinished tail of the journal (durably), and, when the target is older than the
+   newest commit, append a transaction that makes the target the newest recovery point again.
+
+Idempotent: a crash anywhere in 2-3 leaves records that, applied again, give the same rows (they
+are absolute before-images, and the target state is their fixed point). Time is proportional to
+the rolled-back rows, not to the model.
 """
 
 from __future__ import annotations
@@ -23,13 +31,13 @@ import torch
 
 from memory_pool import MemoryPool
 from memory_pool.errors import PoolCorruptError, RecoveryError
+from memory_pool.journal import RecordType, decode_rows, encode_rows
 
 from .crash import die
 from .digest import state_digest
-from .store import DENSE, ckpt_dir, invalidate_slot, read_commit, read_dense, read_slot, scan_slots, write_commit
-from .undo import RUNNING_MARKER
+from .store import RUNNING_MARKER, ckpt_dir, commit_doc, is_commit, unpack_dense
 
-__all__ = ["recover", "RecoveryReport", "checkpoint_status"]
+__all__ = ["recover", "RecoveryReport", "checkpoint_status", "committed_state", "recover_pool"]
 
 
 @dataclass
@@ -48,86 +56,155 @@ class RecoveryReport:
         return asdict(self)
 
 
+def _commits(pool: MemoryPool):
+    return [t for t in pool.journal.txns if is_commit(t)] if pool.journal is not None else []
+
+
+def committed_state(pool: MemoryPool, step: int | None = None) -> tuple[int | None, dict | None]:
+    """(step, dense state) of the newest recovery point (or of ``step``); (None, None) if none.
+    Raises RecoveryError when the dense state is damaged."""
+    commits = _commits(pool)
+    if step is not None:
+        commits = [t for t in commits if t.tag == step]
+    if not commits:
+        return None, None
+    txn = commits[-1]
+    dense = [r for r in txn.records if r.type == RecordType.DENSE]
+    if not dense:
+        raise RecoveryError(f"the commit of step {txn.tag} holds no dense state")
+    try:
+        return txn.tag, unpack_dense(pool.journal.read(dense[-1]))
+    except PoolCorruptError as exc:
+        raise RecoveryError(f"{exc.message} (dense state of step {txn.tag})") from None
+
+
 def checkpoint_status(pool: MemoryPool) -> dict:
-    """What the checkpoint files say, without changing anything (for ``inspect``)."""
-    d = ckpt_dir(pool.storage_dir)
-    commit = read_commit(d) if d.is_dir() else None
-    slots = scan_slots(d / "undo")
-    c = commit["step"] if commit else None
-    later = sorted(s.step for s in slots if s.state == "sealed" and (c is None or s.step > c))
-    damaged = [s.problem for s in slots if s.state == "damaged"]
+    """What the journal says, without changing anything (for ``inspect``)."""
+    j = pool.journal
+    commits = _commits(pool)
+    c = commits[-1].tag if commits else None
+    tail_steps = sorted({r.tag for r in j.tail if r.tag >= 0}) if j is not None else []
+    damaged = [j.tail_damage] if j is not None and j.tail_damage and not pool.journaled else []
+    marker = (ckpt_dir(pool.storage_dir) / RUNNING_MARKER).exists()
+    # Journaled tiers: the rows of unfinished steps never reached durable media; opening the
+    # pool already shows the newest commit, so readers need no recovery (the next writer drops
+    # the unfinished records). Direct tiers: those steps changed rows in place.
+    undo_in_tail = any(r.type == RecordType.UNDO for r in j.tail) if j is not None else False
     return {
         "committed_step": c,
-        "dense_file": commit["dense_file"] if commit else None,
-        "undo_slots": len(slots),
-        "steps_to_roll_back": later,
+        "journal_bytes": j.live_bytes if j is not None else 0,
+        "steps_to_roll_back": tail_steps,
+        "torn_bytes": j.torn_bytes if j is not None else 0,
         "damaged": damaged,
-        "trained_without_undo": (d / RUNNING_MARKER).exists(),
-        "needs_recovery": bool(later or damaged or (d / RUNNING_MARKER).exists()),
+        "trained_without_undo": marker,
+        "needs_recovery": bool((undo_in_tail and not pool.journaled) or damaged or marker),
     }
 
 
-def _load_verified(pool: MemoryPool, target: int | None = None):
-    d = ckpt_dir(pool.storage_dir)
-    try:
-        commit = read_commit(d)
-    except PoolCorruptError as exc:
-        raise RecoveryError(str(exc.message)) from None
-    if (d / RUNNING_MARKER).exists():
+def _plan(pool: MemoryPool, target: int | None):
+    """Verify; return (target txn, dense state, undo records newest first, steps rolled back)."""
+    j = pool.journal
+    if (ckpt_dir(pool.storage_dir) / RUNNING_MARKER).exists():
+        commits = _commits(pool)
         raise RecoveryError(
             f"{pool.path} was being trained with --checkpoint none and did not finish: rows changed in "
-            f"place after step {commit['step'] if commit else 0} cannot be rolled back",
+            f"place after step {commits[-1].tag if commits else 0} cannot be rolled back",
             hint="start over with `dlrm-cxl train --fresh`, or restore the pool from a copy")
-    if commit is None:
-        sealed = sorted(s.step for s in scan_slots(d / "undo") if s.state == "sealed")
-        if sealed:
-            # Step 0 is committed before any step runs, so logged steps without a commit record
-            # mean the record was lost: their rows cannot be brought back to a known state.
-            raise RecoveryError(f"commit record {d / 'COMMIT'} is missing, but the undo log holds steps "
-                                f"{sealed}: the commit record was lost")
-        return None, None, []
-    if target is not None and target > commit["step"]:
-        raise RecoveryError(f"cannot recover to step {target}: this pool committed only step {commit['step']}")
-    if target is not None and target < commit["step"]:
-        # Several ranks: this rank is ahead of the newest step every rank committed. Roll back
-        # to it: its dense snapshot and every undo record after it were kept for exactly this.
-        name = f"dense-{target:012d}.pt"
-        try:
-            dense = read_dense(d / name)
-        except PoolCorruptError as exc:
-            raise RecoveryError(f"{exc.message} (needed to roll back to step {target})") from None
-        commit = {"step": target, "dense_file": name, "dense_crc32": None, "rewrite_from": commit["step"]}
+    commits = _commits(pool)
+    if not commits:
+        if any(r.type == RecordType.UNDO for r in j.tail):
+            # Step 0 is committed before any step runs, so logged steps without a commit mean
+            # the commit was lost: their rows cannot be brought back to a known state.
+            raise RecoveryError(f"{pool.path}: the journal holds undo records of steps "
+                                f"{sorted({r.tag for r in j.tail})} but no commit: the commit record was lost")
+        return None, None, [], []
+    newest = commits[-1]
+    if target is None or target == newest.tag:
+        txn = newest
     else:
-        try:
-            dense = read_dense(d / commit["dense_file"], commit["dense_crc32"])
-        except PoolCorruptError as exc:
-            raise RecoveryError(f"{exc.message} (named by COMMIT, step {commit['step']})") from None
-    slots = scan_slots(d / "undo")
-    bad = [s for s in slots if s.state == "damaged"]
-    if bad:
-        raise RecoveryError(f"undo log damaged: {bad[0].problem}")
+        if target > newest.tag:
+            raise RecoveryError(f"cannot roll forward to step {target}: the newest commit is step {newest.tag}")
+        older = [t for t in commits if t.tag == target]
+        if not older:
+            raise RecoveryError(f"cannot roll back to step {target}: its records are gone "
+                                f"(the journal keeps commits {[t.tag for t in commits[-5:]]})")
+        txn = older[-1]
+    if j.tail_damage and not pool.journaled:
+        raise RecoveryError(f"undo log damaged: {j.tail_damage}")
+    _, dense = committed_state(pool, txn.tag)
+    later = [t for t in j.txns if t.end.seq > txn.end.seq]
+    refs = [r for t in later for r in t.records] + list(j.tail)
+    undo = [r for r in refs if r.type == RecordType.UNDO]
+    steps = sorted({r.tag for r in refs if r.tag > txn.tag} | {t.tag for t in later if is_commit(t)}, reverse=True)
     todo = []
-    for s in sorted((s for s in slots if s.state == "sealed" and s.step > commit["step"]),
-                    key=lambda s: s.step, reverse=True):
+    for ref in reversed(undo):  # newest first
         try:
-            records = read_slot(s)
-        except PoolCorruptError as exc:
-            raise RecoveryError(exc.message) from None
-        for r in records:
-            if r.table not in pool:
-                raise RecoveryError(f"undo log of step {s.step} names unknown table {r.table!r}")
-            t = pool.table(r.table)
-            if r.before.shape[1] != t.config.row_bytes or (
-                    r.ids.numel() and (int(r.ids.max()) >= t.num_embeddings or int(r.ids.min()) < 0)):
-                raise RecoveryError(f"undo log of step {s.step}: record for {r.table!r} does not fit the table")
-        todo.append((s, records))
-    if "rewrite_from" in commit:
-        have = {s.step for s, _ in todo}
-        missing = [k for k in range(commit["step"] + 1, commit["rewrite_from"] + 1) if k not in have]
-        if missing:
-            raise RecoveryError(f"cannot roll back to step {commit['step']}: undo records of committed "
-                                f"steps {missing[:5]} are gone")
-    return commit, dense, todo
+            name, ids, raw = decode_rows(j.read(ref))
+        except (PoolCorruptError, ValueError) as exc:
+            raise RecoveryError(f"undo record of step {ref.tag}: {exc}") from None
+        if name not in pool:
+            raise RecoveryError(f"undo record of step {ref.tag} names unknown table {name!r}")
+        t = pool.table(name)
+        if raw.shape[1] != t.config.row_bytes or (ids.numel() and (int(ids.max()) >= t.num_embeddings
+                                                                     or int(ids.min()) < 0)):
+            raise RecoveryError(f"undo record of step {ref.tag}: record for {name!r} does not fit the table")
+        todo.append((ref.tag, t, ids, raw))
+    if target is not None and target < newest.tag and pool.journaled and not any(
+            r.type == RecordType.UNDO for t in later for r in t.records):
+        raise RecoveryError(f"cannot roll back committed steps after {target}: no undo records were kept")
+    return txn, dense, todo, steps
+
+
+def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
+                 target_step: int | None = None) -> RecoveryReport:
+    """Recover an open pool (writable unless ``dry_run``). See the module docstring."""
+    t0 = time.perf_counter()
+    txn, dense, todo, steps = _plan(pool, target_step)
+    rep = RecoveryReport(str(pool.path), txn.tag if txn else None, bool(steps or pool.journal.tail), dry_run)
+    if txn is None:
+        rep.actions.append("no commit record: the pool holds no training state; nothing to do")
+    rep.rolled_back_steps = steps
+    rep.rows_restored = sum(ids.numel() for _, _, ids, _ in todo)
+    for k in steps:
+        n = sum(ids.numel() for tag, _, ids, _ in todo if tag == k)
+        rep.actions.append(f"{'would roll' if dry_run else 'rolled'} back step {k}: {n} rows restored"
+                           + ("" if n or not pool.journaled else " (its rows never reached durable media)"))
+    if not dry_run:
+        restored: dict[str, tuple] = {}
+        for i, (tag, t, ids, raw) in enumerate(todo):
+            t.restore_raw(ids, raw)
+            restored.setdefault(t.name, (t, []))[1].append(ids)
+            if crash_phase == "mid-rollback" and i == 0:
+                die("recovery mid-rollback")
+        pairs = [(t, torch.unique(torch.cat(ids))) for t, ids in restored.values()]
+        if pool.real_pmem:
+            pool.persist_rows(pairs)
+        if crash_phase == "before-invalidate":
+            die("recovery before-invalidate")
+        # The rows are at the target now (in place on direct tiers); the unfinished records
+        # must go before anything new is appended, or a later END would seal them.
+        dropped = pool.journal.truncate_tail()
+        if dropped:
+            rep.actions.append(f"dropped {dropped} bytes of unfinished journal records")
+        if txn is not None and txn is not _commits(pool)[-1]:
+            # Several ranks: make the target the newest recovery point again -- the restored
+            # rows (journaled tiers: they exist durably only through the journal) and a copy of
+            # the target's dense state, then the commit record.
+            j = pool.journal
+            if pool.journaled:
+                for t, ids in pairs:
+                    j.append(RecordType.ROWS, txn.tag, encode_rows(t.name, ids, t.view().index_select(0, ids)))
+            d = [r for r in txn.records if r.type == RecordType.DENSE][-1]
+            j.append(RecordType.DENSE, txn.tag, [j.read(d)])
+            j.end(txn.tag, commit_doc(txn.tag))
+            rep.actions.append(f"step {txn.tag} is the newest recovery point again")
+        for p in ckpt_dir(pool.storage_dir).glob(".*.tmp"):
+            p.unlink()
+            rep.actions.append(f"removed unfinished {p.name}")
+    rep.seconds = time.perf_counter() - t0
+    if digest and txn is not None:
+        rep.state_digest = state_digest(pool, dense) if not dry_run or not todo else None
+    return rep
 
 
 def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
@@ -151,58 +228,9 @@ def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: st
                             f"leave it at another step than the other ranks",
                             hint=f"recover the whole job: dlrm-cxl recover --pool {Path(path).parent}")
     t0 = time.perf_counter()
-    own = pool is None
-    if own:
-        pool = MemoryPool.open(path, read_only=dry_run)
-    try:
-        commit, dense, todo = _load_verified(pool, target_step)
-        rep = RecoveryReport(str(path), commit["step"] if commit else None, bool(todo), dry_run)
-        if commit is None:
-            rep.actions.append("no commit record: the pool holds no training state; nothing to do")
-        for s, records in todo:
-            n = sum(r.ids.numel() for r in records)
-            rep.rolled_back_steps.append(s.step)
-            rep.rows_restored += n
-            rep.actions.append(f"{'would roll' if dry_run else 'rolled'} back step {s.step}: "
-                               f"{n} rows in {len(records)} tables")
-        if not dry_run and todo:
-            restored: dict[str, list[torch.Tensor]] = {}
-            for i, (s, records) in enumerate(todo):  # newest first
-                for r in records:
-                    t = pool.table(r.table)
-                    t._region.restore_rows(r.ids, r.before)
-                    restored.setdefault(r.table, []).append(r.ids)
-                if crash_phase == "mid-rollback" and i == 0:
-                    die("recovery mid-rollback")
-            for name in restored:
-                # Every row this process changed is a restored row: persisting the table's dirty
-                # rows persists exactly them, with page-coalesced writes (not one per row).
-                pool.table(name).persist()
-            if crash_phase == "before-invalidate":
-                die("recovery before-invalidate")
-        if not dry_run and commit is not None and "rewrite_from" in commit:
-            # The rows are at the target now; say so durably *before* dropping the records of
-            # the later steps (the other order would leave a COMMIT that no records can reach).
-            name = commit["dense_file"]
-            raw = (ckpt_dir(pool.storage_dir) / name).read_bytes()
-            write_commit(ckpt_dir(pool.storage_dir), commit["step"], name, DENSE.unpack_from(raw)[3])
-            rep.actions.append(f"rolled back committed steps {commit['step'] + 1}..{commit['rewrite_from']} "
-                               f"to match the other ranks")
-        if not dry_run and todo:
-            for s, _ in todo:
-                invalidate_slot(s.path)
-        if not dry_run:
-            d = ckpt_dir(pool.storage_dir)
-            for p in d.glob(".*.tmp"):
-                p.unlink()
-                rep.actions.append(f"removed unfinished {p.name}")
-            for p in d.glob("dense-*.pt"):
-                if commit and p.name != commit["dense_file"]:
-                    p.unlink()
-        rep.seconds = time.perf_counter() - t0
-        if digest and commit is not None:
-            rep.state_digest = state_digest(pool, dense) if not dry_run or not todo else None
-        return rep
-    finally:
-        if own:
-            pool.close()
+    if pool is not None:
+        return recover_pool(pool, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step)
+    with MemoryPool.open(path, read_only=dry_run) as p:
+        rep = recover_pool(p, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step)
+    rep.seconds = time.perf_counter() - t0  # including opening the pool (and its journal replay)
+    return rep

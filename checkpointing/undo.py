@@ -1,348 +1,313 @@
-"""Batch-aware undo logging (after TrainingCXL), and the no-checkpoint baseline.
+"""Batch-aware undo logging on the pool's journal (after TrainingCXL), and the no-checkpoint mode.
 
-Per step ``k``:
+Per step ``k`` (the call order of :mod:`checkpointing.base`)::
 
-1. ``log_before_image``: the rows ``k`` will change are known from its sparse ids before the
-   step computes. Their current values (embedding rows *and* their optimizer-state rows) are
-   copied in memory (a gather: the only logging work on the critical path) and handed to the
-   log-writer thread, which writes them to an undo-log slot and makes it durable.
-2. forward and backward run while the log is written.
-3. ``persist`` waits until the slot of ``k`` is sealed and durable (write-ahead rule: with an
-   mmap the kernel may write a changed page back at any moment, so no row may change before
-   its old value is durable).
-4. ``update``: rows change in place.
-5. ``commit``: every ``dense_every``-th step (when the previous checkpoint has finished; the
-   final step always) the dense state is captured in memory and the checkpoint thread makes
-   step ``k`` a recovery point: persist the rows (only dirty pages/rows are written), write
-   the dense snapshot durably, then write the ``COMMIT`` record (last, atomically). Undo slots
-   of steps <= ``k`` become reusable once that record is durable.
+    begin_step(k)
+    log_before_image(touched)   # the rows k will change, known from its ids before it computes
+    ... forward ...
+    persist()                   # the write-ahead barrier: right before the in-place update
+    ... fused backward: the rows change in place ...   (or update(fn) for a non-fused optimizer)
+    commit(k)                   # step k becomes a recovery point
 
-A checkpoint runs while the next steps compute. That is safe because each later step's undo
-records are durable before it changes a row: if the checkpoint's row persist picks up a row
-already changed by step k+1, recovery rolls that row back with step k+1's record.
+What is written depends on where a store lands (``MemoryPool.journaled``):
 
-Relaxation window: a crash loses the unfinished step plus the steps after the newest durable
-``COMMIT`` — at most ``dense_every`` steps plus the checkpoint in flight (reported as
-``max_commit_lag``). Recovery = apply the undo records of every step after ``COMMIT``,
-newest first; time proportional to those rows, not to the model.
+* **Direct tiers** (shm, real pmem): an in-place store reaches the surviving medium at once, so the
+  rows' old values must be durable *before* the update: ``log_before_image`` gathers the
+  before-images (a memory copy) and the writer thread appends them as ``UNDO`` records and syncs;
+  ``persist`` waits for that. Recovery rolls back the ``UNDO`` records after the last commit.
+* **Journaled tiers** (emulated pmem, power-sim): the working copy is volatile and a row reaches
+  durable media only inside a committed journal transaction. The rows of an unfinished step never
+  need undoing, so no before-images are written; ``commit`` appends the step's after-images
+  (``ROWS``) instead. (With several ranks, every tier also writes ``UNDO``: a rank may have to roll
+  back past its own newest commit, to the step every rank committed.)
+
+``commit(k)`` captures the dense state into a double buffer (raw bytes, no pickle) and hands the
+transaction ``[ROWS] DENSE END(k)`` to the writer thread, which appends it and makes it durable
+with one group commit (records synced, then the ``END``). Pipelining, not skipping: step ``k+1``
+computes while ``k`` becomes durable; ``commit(k+1)`` waits only if ``k`` is still not durable
+then (``commit_wait_seconds``). So a crash loses at most the step in flight and the one before
+it. ``--dense-every N > 1`` makes every N-th step a recovery point instead (fewer dense bytes;
+a crash loses up to N steps); the rows are still logged every step.
+
+The journal is kept short: once a commit is durable, segments before the newest recovery point
+(before the newest step every rank committed, with several ranks) are compacted into the table
+images in the background and dropped.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
-from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from memory_pool import MemoryPool
 from memory_pool._fs import atomic_write, fsync_dir
+from memory_pool.journal import RecordType, encode_rows
 
 from .base import Checkpointer, CheckpointStats, Touched
 from .crash import CrashPlan
-from .store import (UndoRecord, ckpt_dir, invalidate_slot, read_commit, scan_slots, write_commit,
-                    write_dense, write_slot)
+from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
 
-__all__ = ["UndoLogCheckpointer", "NoCheckpointer", "RUNNING_MARKER", "DenseStateFn"]
+__all__ = ["UndoLogCheckpointer", "NoCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step"]
 
-DenseStateFn = Callable[[int], dict]   # step -> dense state (tensors already copied)
-RUNNING_MARKER = "RUNNING-WITHOUT-UNDO"
-_STOP = object()
+DenseStateFn = Callable[[int], dict]   # step -> dense state (tensors may be live: packed at once)
 
 
-class _Background:
-    """One worker thread; errors are kept and re-raised in the trainer's thread."""
+def default_compact_bytes(pool: MemoryPool) -> int:
+    """Journal size that triggers a compaction. Journaled tiers: large enough that the write-back
+    of scattered rows (page-granular in the image) is amortised over many steps, small enough
+    that replaying it at open stays well under a second. Direct tiers hold only undo records and
+    dense states (in RAM on shm): small."""
+    env = os.environ.get("DLRM_CXL_COMPACT_MB")
+    if env:
+        return int(float(env) * (1 << 20))
+    if not pool.journaled:
+        return 128 << 20
+    tables = sum(pool.table(n).config.nbytes for n in pool.tables())
+    return int(min(max(256 << 20, tables), 1 << 30))
 
-    def __init__(self, name: str, fn: Callable):
-        self.q: queue.Queue = queue.Queue()
-        self.fn = fn
-        self.error: BaseException | None = None
-        self.busy = 0
-        self.lock = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
 
-    def submit(self, job) -> None:
-        with self.lock:
-            self.busy += 1
-        self.q.put(job)
+@dataclass
+class Step:
+    """One step's transaction: what it touches, its before-images, whether it updated."""
 
-    def _run(self) -> None:
-        while True:
-            job = self.q.get()
-            if job is _STOP:
-                return
-            try:
-                if self.error is None:
-                    self.fn(job)
-            except BaseException as exc:  # surfaced on the main thread
-                self.error = exc
-            finally:
-                with self.lock:
-                    self.busy -= 1
-                    self.lock.notify_all()
-
-    def idle(self) -> bool:
-        with self.lock:
-            return self.busy == 0
-
-    def wait_idle(self) -> None:
-        with self.lock:
-            while self.busy:
-                self.lock.wait()
-        self.check()
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def stop(self) -> None:
-        self.q.put(_STOP)
-        self.thread.join()
+    k: int
+    touched: list = field(default_factory=list)     # [(Table, rows)]
+    before: list | None = None                      # before-images, in touched order
+    undo: Future | None = None                      # the UNDO records' durability
+    updated: bool = False
 
 
 class UndoLogCheckpointer(Checkpointer):
-    """Undo logging into ``<storage_dir>/ckpt``. See the module docstring."""
+    """See the module docstring."""
 
     name = "undo"
 
     def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, dense_every: int = 1,
-                 crash: CrashPlan | None = None, max_pending_slots: int | None = None, coordinator=None):
+                 crash: CrashPlan | None = None, coordinator=None, max_pending_slots: int | None = None):
         """``coordinator`` (several ranks): has ``global_min(int) -> int`` over all ranks. With
-        one, checkpoints follow a fixed schedule (every ``dense_every`` steps, waiting for the
-        previous one) so every rank has a snapshot at the same steps, and undo slots are
-        reused only up to the newest step *every* rank has committed."""
+        one, recovery points follow a fixed schedule (every ``dense_every`` steps) so every rank
+        has one at the same steps, and journal records are kept back to the newest step that
+        *every* rank committed."""
         if dense_every < 1:
             raise ValueError(f"dense_every must be >= 1, got {dense_every}")
         self.pool = pool
+        self.journal = pool.journal
         self.dense_state = dense_state
         self.dense_every = dense_every
         self.crash = crash
-        # One process: a full log (64 steps since the last recovery point) forces a checkpoint.
-        # Several ranks follow a fixed schedule instead: room for two intervals and one in flight.
-        if max_pending_slots is None:
-            max_pending_slots = 64 if coordinator is None else max(64, 2 * dense_every + 8)
-        self.max_pending = max_pending_slots
-        self.dir = ckpt_dir(pool.storage_dir)
-        self.undo_dir = self.dir / "undo"
-        self.undo_dir.mkdir(parents=True, exist_ok=True)
-        self.stats = CheckpointStats()
         self.coordinator = coordinator
-        if coordinator is not None and dense_every * 2 + 4 > max_pending_slots:
-            raise ValueError(f"--dense-every {dense_every} is too large for coordinated commits "
-                             f"(at most {(max_pending_slots - 4) // 2})")
-        commit = read_commit(self.dir)
-        self._durable_commit = commit["step"] if commit else -1
+        self.log_undo = not pool.journaled or coordinator is not None
+        self.log_rows = pool.journaled
+        self.stats = CheckpointStats()
+        self.compact_bytes = default_compact_bytes(pool)
+        self._packer = DensePacker()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
+        self._inflight: Future | None = None
+        self._cur: Step | None = None
+        commits = [t for t in self.journal.txns if is_commit(t)]
+        self._durable_commit = commits[-1].tag if commits else -1
         self._last_submitted = self._durable_commit
-        self._released = self._durable_commit   # undo slots of steps <= this are reusable
-        self._slots_lock = threading.Lock()
-        self._free = [s.path for s in scan_slots(self.undo_dir)]
-        self._next_slot = len(self._free)
-        self._pending: dict[int, Path] = {}   # step -> slot holding its undo records
-        self._log_durable = -1
-        self._log_cond = threading.Condition()
-        self._step = None
-        self._records: list[UndoRecord] | None = None
-        self._tables: dict[str, object] = {}
-        self._updated = False
-        self._log = _Background("undo-log-writer", self._write_log)
-        self._ckpt = _Background("checkpoint-writer", self._write_checkpoint)
+        self._released = self._durable_commit
+        self._txn_start: dict[int, int] = {t.tag: t.first_seq for t in commits[-4:]}
+        self._pending_start: int | None = None   # first seq of the open transaction
+        self._lock = threading.Lock()
+        ckpt_dir(pool.storage_dir).mkdir(parents=True, exist_ok=True)
 
     # -- crash injection
     def hit(self, phase: str) -> None:
-        if self.crash is not None and self._step is not None:
-            self.crash.hit(self._step, phase)
+        if self.crash is not None and self._cur is not None:
+            self.crash.hit(self._cur.k, phase)
+
+    def _check(self) -> None:
+        for f in (self._inflight, self._cur.undo if self._cur else None):
+            if f is not None and f.done() and f.exception() is not None:
+                raise f.exception()
 
     # -- protocol
     def begin_step(self, step: int) -> None:
-        self._log.check()
-        self._ckpt.check()
-        self._step = step
-        self._records = None
-        self._updated = False
+        self._check()
+        self._cur = Step(step)
         if self.crash is not None:
             self.crash.arm_random(step)
 
     def log_before_image(self, touched: Touched) -> None:
         t0 = time.perf_counter()
+        cur = self._cur
         self.hit("before-log")
-        records = []
-        for table, rows in touched:
-            # A copy of the rows' current values: these are the step's before-images.
-            records.append(UndoRecord(table.name, rows, table.view().index_select(0, rows)))
-            self._tables[table.name] = table
-        self._records = records
-        slot = self._acquire_slot(self._step)
-        self._log.submit((self._step, slot, records))
+        cur.touched = list(touched)
+        if self.log_undo:
+            # A copy of the rows' current values: the step's before-images. The only logging
+            # work on the trainer's thread; the writer thread appends and syncs them.
+            cur.before = [t.view().index_select(0, rows) for t, rows in cur.touched]
+            cur.undo = self._writer.submit(self._write_undo, cur.k, [(t.name, r) for t, r in cur.touched], cur.before)
+        else:
+            self.hit("mid-log")
         self.stats.critical_seconds += time.perf_counter() - t0
 
     def before_images(self) -> dict[str, torch.Tensor] | None:
-        if self._records is None:
+        cur = self._cur
+        if cur is None or cur.before is None:
             return None
-        return {r.table: r.before for r in self._records}
+        return {t.name: b for (t, _), b in zip(cur.touched, cur.before)}
 
-    def _acquire_slot(self, step: int) -> Path:
-        with self._slots_lock:
-            full = len(self._pending) >= self.max_pending
-        if full:
-            # Too many steps since the last durable checkpoint: make the previous step one
-            # (its dense state is the current one — this step has not updated anything yet).
-            self.checkpoint_now(step - 1)
-        with self._slots_lock:
-            if self._free:
-                slot = self._free.pop()
-            else:
-                slot = self.undo_dir / f"slot-{self._next_slot:04d}.log"
-                self._next_slot += 1
-            self._pending[step] = slot
-            return slot
-
-    def _write_log(self, job) -> None:
-        step, slot, records = job
-        mid = (lambda: self.crash.hit(step, "mid-log")) if self.crash else None
-        n = write_slot(slot, step, records, mid_write=mid)
+    def _write_undo(self, k: int, names: list, before: list) -> int:
+        n = 0
+        half = len(names) // 2
+        for i, ((name, rows), b) in enumerate(zip(names, before)):
+            if i == half and self.crash is not None:
+                self.journal.flush()
+                self.crash.hit(k, "mid-log")
+            self._note_start(self.journal.append(RecordType.UNDO, k, encode_rows(name, rows, b)))
+            n += rows.numel() * 8 + b.numel() * b.element_size()
+        # Write-ahead rule: durable before any row it covers changes in place.
+        self.journal.flush()
         self.stats.log_bytes += n
-        with self._log_cond:
-            self._log_durable = step
-            self._log_cond.notify_all()
+        return n
+
+    def _note_start(self, ref) -> None:
+        if self._pending_start is None:
+            self._pending_start = ref.seq
 
     def persist(self) -> None:
         t0 = time.perf_counter()
-        step = self._step
-        with self._log_cond:
-            while self._log_durable < step and self._log.error is None:
-                self._log_cond.wait(0.5)
-        self._log.check()
+        if self._cur.undo is not None:
+            self._cur.undo.result()
         dt = time.perf_counter() - t0
         self.stats.log_wait_seconds += dt
         self.stats.critical_seconds += dt
         self.hit("after-log")
 
     def update(self, fn: Callable[[], None]) -> None:
-        if self._log_durable < self._step:
+        cur = self._cur
+        if cur.undo is not None and not cur.undo.done():
             raise RuntimeError("update() before persist(): the write-ahead rule would be broken")
-        self._updated = True
+        cur.updated = True
         fn()
         self.hit("after-update")
 
+    def mark_updated(self) -> None:
+        """The step's rows changed in place outside ``update`` (a fused backward did it)."""
+        self._cur.updated = True
+
     def abort(self) -> None:
-        """The step failed: restore its rows, drop its undo log, and make the previous step a
-        recovery point — afterwards the pool is consistent and needs no recovery."""
-        step = self._step
-        if step is None:
+        """The step failed: put its rows back and make the previous step a recovery point, so
+        the pool needs no recovery afterwards."""
+        cur = self._cur
+        if cur is None:
             return
-        if self._updated and self._records:
-            for r in self._records:
-                t = self._tables[r.table]
-                t._scatter(r.ids, r.before)
-            # Durable before the slot goes: a background checkpoint may already have persisted
-            # this step's new values, and without the slot nothing could undo them any more.
-            for r in self._records:
-                self._tables[r.table].persist(r.ids)
-        self._updated = False
-        self._step = None
-        if self._records is not None:
-            self._log.wait_idle()
-            with self._slots_lock:
-                slot = self._pending.pop(step, None)
-            if slot is not None:
-                invalidate_slot(slot)  # durably: this step will not be rolled back again
-                with self._slots_lock:
-                    self._free.append(slot)
-        if self.coordinator is None and self._durable_commit < step - 1:
-            self.checkpoint_now(step - 1)
+        if cur.updated:
+            if cur.before is None:
+                raise RuntimeError(f"step {cur.k} changed rows but has no before-images to restore")
+            for (t, rows), b in zip(cur.touched, cur.before):
+                t.scatter_rows(rows, b)
+            if self.pool.real_pmem:
+                self.pool.persist_rows([(t, rows) for t, rows in cur.touched])
+        self._cur = None
+        if self.coordinator is None:
+            self.checkpoint_now(cur.k - 1)
 
     def commit(self, step: int, *, final: bool = False) -> None:
         t0 = time.perf_counter()
+        cur = self._cur
         self.stats.steps += 1
         crash_here = (self.crash is not None and self.crash.step == step
                       and self.crash.phase in ("before-commit", "after-commit", "mid-dense"))
         if self.coordinator is None:
-            # One process: checkpoint when due and the previous one has finished (never stall
-            # the step on a slow tier); the final step, and a step a crash test aims at, always.
-            due = step - self._last_submitted >= self.dense_every
-            if final or crash_here:
-                self._ckpt.wait_idle()
-                self._submit_checkpoint(step)
-                self._ckpt.wait_idle()
-            elif due and self._ckpt.idle():
-                self._submit_checkpoint(step)
-        elif final or step % self.dense_every == 0:
-            # Several ranks: the same fixed schedule on every rank, so that whatever step all
-            # ranks have committed, each of them has its dense snapshot.
-            self._ckpt.wait_idle()
-            self._submit_checkpoint(step)
-            if final or crash_here:
-                self._ckpt.wait_idle()
-        self._ckpt.check()
+            due = final or crash_here or step - self._last_submitted >= self.dense_every
+        else:
+            due = final or step % self.dense_every == 0
+        rows = None
+        if self.log_rows and cur is not None and cur.touched:
+            # After-images now, on this thread: step k+1 may change them as soon as we return.
+            rows = [(t.name, r, t.view().index_select(0, r)) for t, r in cur.touched]
+        dense = self._packer.pack(self.dense_state(step)) if due else None
+        self._submit(step, rows, dense, wait=final or crash_here)
         self._release()
         self.stats.max_commit_lag = max(self.stats.max_commit_lag, step - max(self._durable_commit, 0))
         self.stats.critical_seconds += time.perf_counter() - t0
-        self._step = None
+        self._cur = None
 
-    def _release(self) -> None:
-        """Make undo slots reusable up to the newest step committed everywhere."""
-        g = self._durable_commit
-        if self.coordinator is not None:
-            g = self.coordinator.global_min(g)
-        if g <= self._released:
+    def _submit(self, step: int, rows, dense, *, wait: bool) -> None:
+        # Pipeline depth one: the previous transaction must be durable before this one is handed
+        # over (so a crash loses at most the step in flight and the one before it).
+        if self._inflight is not None and dense is not None:
+            t0 = time.perf_counter()
+            self._inflight.result()
+            self.stats.commit_wait_seconds += time.perf_counter() - t0
+        if dense is not None:
+            self._last_submitted = step
+        fut = self._writer.submit(self._write_txn, step, rows, dense)
+        if dense is not None:
+            self._inflight = fut
+        if wait:
+            fut.result()
+
+    def _write_txn(self, step: int, rows, dense) -> None:
+        crash = self.crash if (self.crash is not None and self.crash.step == step) else None
+        j = self.journal
+        for name, ids, r in rows or ():
+            self._note_start(j.append(RecordType.ROWS, step, encode_rows(name, ids, r)))
+            self.stats.table_bytes_persisted += ids.numel() * 8 + r.numel() * r.element_size()
+        if dense is None:
             return
-        with self._slots_lock:
-            for s in [s for s in self._pending if s <= g]:
-                self._free.append(self._pending.pop(s))
-        self._released = g
-
-    def _submit_checkpoint(self, step: int) -> None:
-        state = self.dense_state(step)  # captured now, on the trainer's thread: exactly step k
-        self._last_submitted = step
-        self._ckpt.submit((step, state))
-
-    def checkpoint_now(self, step: int) -> None:
-        """Make ``step`` a recovery point and wait for it (start of training, tests)."""
-        self._ckpt.wait_idle()
-        self._submit_checkpoint(step)
-        self._ckpt.wait_idle()
-        self._release()
-
-    def _write_checkpoint(self, job) -> None:
-        step, state = job
-        crash = self.crash if (self.crash and self.crash.step == step) else None
-        # 1. rows durable at (or, for rows a later logged step already changed, after) step k.
-        t_bytes = self.pool.persist()
-        # 2. the dense state of step k, durable under its final name.
-        name, crc, d_bytes = write_dense(self.dir, step, state,
-                                         mid_write=(lambda: crash.hit(step, "mid-dense")) if crash else None)
+        parts, n = dense
+        self._note_start(j.append(RecordType.DENSE, step, parts))
+        if crash:
+            crash.hit(step, "mid-dense")
+        j.flush()
         if crash:
             crash.hit(step, "before-commit")
-        # 3. the commit record last: from here on, recovery goes back to step k at most.
-        write_commit(self.dir, step, name, crc)
+        txn = j.end(step, commit_doc(step))  # the commit record: last, and durable
         if crash:
             crash.hit(step, "after-commit")
-        self._durable_commit = step
+        with self._lock:
+            self._txn_start[step] = self._pending_start if self._pending_start is not None else txn.first_seq
+            self._pending_start = None
+            self._durable_commit = step
+        self.stats.dense_bytes += n
         self.stats.checkpoints += 1
         self.stats.last_commit_step = step
-        self.stats.table_bytes_persisted += t_bytes
-        self.stats.dense_bytes += d_bytes
-        # 4. dense snapshots no recovery can need any more: older than the newest step that
-        #    is committed everywhere (undo slots are released by the trainer's thread, _release).
-        keep_from = min(step, self._released) if self.coordinator is not None else step
-        for p in self.dir.glob("dense-*.pt"):
-            try:
-                if int(p.stem.split("-")[1]) < keep_from:
-                    p.unlink()
-            except (OSError, ValueError, IndexError):
-                pass
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        if self.journal.live_bytes < self.compact_bytes:
+            return
+        keep = min(self._durable_commit, self._released) if self.coordinator is not None else self._durable_commit
+        with self._lock:
+            seq = self._txn_start.get(keep)
+            for s in [s for s in self._txn_start if s < keep]:
+                del self._txn_start[s]
+        if seq is not None:
+            self.pool.compact(seq, wait=False)
+
+    def _release(self) -> None:
+        """With several ranks: the newest step committed everywhere (a collective call, made by
+        every rank at every commit)."""
+        if self.coordinator is not None:
+            self._released = self.coordinator.global_min(self._durable_commit)
+
+    def checkpoint_now(self, step: int) -> None:
+        """Make ``step`` a recovery point and wait for it (start of training, tests, abort)."""
+        self._submit(step, None, self._packer.pack(self.dense_state(step)), wait=True)
+        self._release()
+
+    def drain(self) -> None:
+        """Wait for the background work: the transaction in flight and a running compaction."""
+        if self._inflight is not None:
+            self._inflight.result()
+        self.pool.wait_compaction()
 
     def close(self) -> None:
         try:
-            self._log.wait_idle()
-            self._ckpt.wait_idle()
+            self.drain()
         finally:
-            self._log.stop()
-            self._ckpt.stop()
+            self._writer.shutdown(wait=True)
 
 
 class NoCheckpointer(Checkpointer):
@@ -363,6 +328,8 @@ class NoCheckpointer(Checkpointer):
         self.stats = CheckpointStats()
         self._marked = False
         self._step = None
+        self._packer = DensePacker()
+        self._touched: dict[str, tuple] = {}
 
     def hit(self, phase: str) -> None:
         if self.crash is not None and self._step is not None:
@@ -379,6 +346,8 @@ class NoCheckpointer(Checkpointer):
     # No log is written; the crash phases fire at the same points of the step as with undo.
     def log_before_image(self, touched):
         self.hit("before-log")
+        for t, rows in touched:
+            t.mark_dirty(rows)  # persisted at the clean end (journaled tiers)
         self.hit("mid-log")
 
     def persist(self):
@@ -387,6 +356,9 @@ class NoCheckpointer(Checkpointer):
     def update(self, fn):
         fn()
         self.hit("after-update")
+
+    def mark_updated(self) -> None:
+        pass
 
     def commit(self, step, *, final=False):
         self.stats.steps += 1
@@ -398,12 +370,22 @@ class NoCheckpointer(Checkpointer):
         self._step = None
 
     def checkpoint_now(self, step: int) -> None:
-        t_bytes = self.pool.persist()
-        name, crc, d_bytes = write_dense(self.dir, step, self.dense_state(step))
-        write_commit(self.dir, step, name, crc)
-        for p in self.dir.glob("dense-*.pt"):
-            if p.name != name:
-                p.unlink()
+        pool, j = self.pool, self.pool.journal
+        if j is not None:
+            t_bytes = 0
+            for name in pool.tables():
+                t = pool.table(name)
+                ids = t.take_dirty()
+                if ids.numel() and pool.journaled:
+                    j.append(RecordType.ROWS, step, encode_rows(name, ids, t.view().index_select(0, ids)))
+                    t_bytes += ids.numel() * (8 + t.config.row_bytes)
+                elif ids.numel():
+                    pool.persist_rows([(t, ids)])
+            parts, d_bytes = self._packer.pack(self.dense_state(step))
+            j.append(RecordType.DENSE, step, parts)
+            j.end(step, commit_doc(step))
+            self.stats.table_bytes_persisted += t_bytes
+            self.stats.dense_bytes += d_bytes
         try:
             os.unlink(self.dir / RUNNING_MARKER)
             fsync_dir(self.dir)
@@ -412,5 +394,3 @@ class NoCheckpointer(Checkpointer):
         self._marked = False
         self.stats.checkpoints += 1
         self.stats.last_commit_step = step
-        self.stats.table_bytes_persisted += t_bytes
-        self.stats.dense_bytes += d_bytes

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"SIGKILL this process at STEP in PHASE ({', '.join(PHASES)})")
     t.add_argument("--crash-rank", type=int, default=0, help="with torchrun: the rank --crash-at kills")
     t.add_argument("--zipf-alpha", type=float, default=1.05, help="skew of synthetic ids (0: uniform)")
+    t.add_argument("--kernel", choices=["fused", "reference"], default="fused",
+                   help="embedding kernels: fbgemm's fused TBE in place on the pool (default), or the "
+                        "reference path (gather, scatter of gradients, batched optimizer)")
     t.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed data lines")
     t.add_argument("--fresh", action="store_true", help="delete the pool first and start over")
     t.add_argument("--no-progress", action="store_true")
@@ -108,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", choices=sorted(PRESETS), default="small")
     m.add_argument("--config", type=Path)
     m.add_argument("--tier", default="auto", choices=list(TIERS) + ["auto"])
+
+    k = sub.add_parser("destroy", help="delete a pool (or a torchrun job directory) and its shm region")
+    k.add_argument("--pool", required=True, help="the pool directory, or a job directory (DIR/job.json, DIR/rank-R)")
+    k.add_argument("--json", action="store_true")
+
+    g = sub.add_parser("gc", help="list shm regions; remove those whose pool directory is gone (rm -rf)")
+    g.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    g.add_argument("--json", action="store_true")
 
     d = sub.add_parser("data", help="data tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -193,7 +204,7 @@ def _cmd_train(args) -> int:
         crash_at=parse_crash_at(args.crash_at) if args.crash_at else None, crash_rank=args.crash_rank,
         threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
-        fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha)
+        fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
     ctx = None
     if distributed:
@@ -210,6 +221,7 @@ def _cmd_train(args) -> int:
         try:
             summary = trainer.run()
             digest = trainer.digest()
+            model_digest = trainer.digest(resume=False)
             # lines --skip-bad-lines skipped while reading (read-ahead included; a line is counted
             # each epoch it is read)
             skipped = int(getattr(trainer.source, "skipped", 0) or 0)
@@ -224,6 +236,7 @@ def _cmd_train(args) -> int:
         return 0
     d = summary.as_dict()
     d["state_digest"] = digest
+    d["model_digest"] = model_digest
     d.setdefault("skipped_lines", skipped)
     if args.json:
         _print_json(d)
@@ -237,9 +250,15 @@ def _cmd_train(args) -> int:
         print(f"data: the file was read {summary.epochs} time(s) from the start (epochs wrapped)")
     if d["skipped_lines"]:
         print(f"data: {d['skipped_lines']} malformed line(s) skipped (--skip-bad-lines)")
-    print(f"checkpoint {args.checkpoint}: {ck['critical_ms_per_step']:.2f} ms/step on the critical path, "
-          f"{ck['bytes_durable_per_step'] / 1e6:.2f} MB made durable per step, {ck['checkpoints']} recovery "
-          f"points, newest at step {ck['last_commit_step']}")
+    print(f"checkpoint {args.checkpoint}: {ck['critical_ms_per_step']:.2f} ms/step on the critical path "
+          f"({1e3 * ck['commit_wait_seconds'] / max(ck['steps'], 1):.2f} waiting for the previous step to be durable), "
+          f"{ck['checkpoints']} recovery points, newest at step {ck['last_commit_step']}")
+    if ck.get("device_write_bytes_per_step") is not None and summary.steps_run:
+        wa = ck["write_amplification"]
+        print(f"per step: {ck['touched_row_bytes_per_step'] / 1e6:.2f} MB of touched rows + "
+              f"{ck['dense_bytes_per_step'] / 1e6:.2f} MB of dense state made durable; "
+              f"{ck['device_write_bytes_per_step'] / 1e6:.2f} MB written to the device"
+              + (f" (write amplification {wa:.2f}x)" if wa else ""))
     for ev in summary.eval:
         print(f"eval at step {ev['step']}: auc {ev['auc']:.4f}, logloss {ev['logloss']:.4f}")
     print(f"state_digest {digest}")
@@ -267,8 +286,7 @@ def _cmd_recover(args) -> int:
 
 
 def _inspect_pool(path, digest: bool) -> dict:
-    from checkpointing import checkpoint_status, read_dense, state_digest
-    from checkpointing.store import ckpt_dir
+    from checkpointing import checkpoint_status, committed_state, state_digest
     from memory_pool import MemoryPool
 
     with MemoryPool.open(path, read_only=True) as pool:
@@ -278,8 +296,7 @@ def _inspect_pool(path, digest: bool) -> dict:
         info["step"] = status["committed_step"]
         info["state_digest"] = None
         if digest and status["committed_step"] is not None and not status["needs_recovery"]:
-            d = ckpt_dir(pool.storage_dir)
-            info["state_digest"] = state_digest(pool, read_dense(d / status["dense_file"]))
+            info["state_digest"] = state_digest(pool, committed_state(pool)[1])
     return info
 
 
@@ -354,8 +371,7 @@ def _stored_config(pool_path):
 
 
 def _open_model(pool_path, read_only=True):
-    from checkpointing import checkpoint_status, read_commit, read_dense
-    from checkpointing.store import ckpt_dir
+    from checkpointing import checkpoint_status, committed_state
     from memory_pool import MemoryPool, PoolFormatError
 
     from checkpointing.job import is_job
@@ -381,9 +397,8 @@ def _open_model(pool_path, read_only=True):
                       f"run `dlrm-cxl recover --pool {pool_path}` first (or `dlrm-cxl train`, which recovers)"))
         cfg = ModelConfig.from_dict(pool.meta["model"])
         model = PoolDLRM(cfg, pool)
-        commit = read_commit(ckpt_dir(pool.storage_dir))
-        if commit is not None:
-            state = read_dense(ckpt_dir(pool.storage_dir) / commit["dense_file"], commit["dense_crc32"])
+        step, state = committed_state(pool)
+        if state is not None:
             model.load_state_dict(state["model"])
     except BaseException:
         pool.close()
@@ -500,6 +515,119 @@ def _cmd_import(args) -> int:
     return 0
 
 
+def _rank_pools(job: Path) -> list[Path]:
+    """The rank pools of a job directory, refusing (before anything is deleted) a rank directory
+    that is not a pool or whose pool a writer holds. Lenient about gaps in the rank numbers, so
+    that a job whose destroy was interrupted can still be destroyed."""
+    import fcntl
+    import os
+
+    from memory_pool import PoolFormatError, PoolLockedError
+    from memory_pool.pool import HEADER
+
+    ranks = sorted((p for p in job.glob("rank-*") if p.name[5:].isdigit() and p.is_dir()),
+                   key=lambda p: int(p.name[5:]))
+    for p in ranks:
+        if not (p / HEADER).exists() and any(p.iterdir()):
+            raise PoolFormatError(f"{p} is not a pool (no {HEADER}); refusing to delete job {job}",
+                                  hint="check --pool; only pool directories are deleted")
+    for p in ranks:  # every lock before any deletion: a locked rank must not leave half a job
+        try:
+            fd = os.open(p / "LOCK", os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = (p / "LOCK").read_text().strip()
+            except OSError:
+                holder = ""
+            raise PoolLockedError(f"{p} is locked by another writer (pid {holder or '?'})") from None
+        finally:
+            os.close(fd)
+    return ranks
+
+
+def _cmd_destroy(args) -> int:
+    import shutil
+
+    from checkpointing.job import is_job
+    from memory_pool import PoolFormatError, destroy_pool, read_header
+    from memory_pool.lifecycle import REGION_PREFIX, gc, region_bytes
+    from memory_pool.pool import HEADER
+
+    path = Path(args.pool)
+    if not path.is_dir():
+        raise PoolFormatError(f"{path} is not a pool: no such directory", hint="check --pool")
+    job = is_job(path)
+    if job:
+        pools = _rank_pools(path)
+    elif (path / HEADER).exists():
+        pools = [path]
+    else:
+        raise PoolFormatError(f"{path} is not a pool (no {HEADER}) or a job of several ranks (no job.json); "
+                              f"refusing to delete it", hint="check --pool; only pool directories are deleted")
+    regions: dict[str, int] = {}  # shm regions the pools name, and their sizes
+    for p in pools:
+        try:
+            header = read_header(p)
+        except PoolFormatError:  # damaged: destroy_pool still deletes it; gc below finds its region
+            continue
+        storage = Path(header.get("storage_dir", p))
+        if header.get("tier") == "shm" and storage.name == f"{REGION_PREFIX}{header.get('pool_id')}":
+            regions[str(storage)] = region_bytes(storage)
+    for p in pools:
+        destroy_pool(p)  # takes the writer lock (exit 5 when a writer holds it)
+    if job:
+        shutil.rmtree(path, ignore_errors=True)
+    # Regions owned by the deleted directories that destroy_pool could not name (a damaged
+    # header; an earlier pool at the same path that was deleted by hand): orphans now.
+    for r in gc(under=path):
+        regions[str(r.path)] = r.size_bytes
+    removed = {r: b for r, b in regions.items() if not Path(r).exists()}
+    freed = sum(removed.values())
+    if args.json:
+        _print_json({"path": str(path), "kind": "job" if job else "pool", "pools": [str(p) for p in pools],
+                     "regions_removed": [{"path": r, "size_bytes": b} for r, b in removed.items()],
+                     "bytes_freed": freed})
+        return 0
+    what = f"job {path} ({len(pools)} rank pools)" if job else f"pool {path}"
+    print(f"destroyed {what}" + (f"; removed {len(removed)} shm region(s), {freed / 1e6:.1f} MB" if removed else ""))
+    return 0
+
+
+def _cmd_gc(args) -> int:
+    from memory_pool.lifecycle import ORPHAN, UNKNOWN, find_regions, gc
+    from memory_pool.tiers import shm_root
+
+    regions = find_regions()
+    removed = gc(dry_run=args.dry_run)
+    gone = {r.path for r in removed}
+    n, freed = len(removed), sum(r.size_bytes for r in removed)
+    summary = (f"{'would remove' if args.dry_run else 'removed'} {n} orphaned region{'' if n == 1 else 's'}, "
+               f"{freed / 1e6:.1f} MB")
+    if args.json:
+        _print_json({"root": str(shm_root()), "dry_run": args.dry_run,
+                     "regions": [{**r.as_dict(), "removed": r.path in gone and not args.dry_run} for r in regions],
+                     "removed": [r.as_dict() for r in removed], "removed_count": n, "removed_bytes": freed})
+        return 0
+    if not regions:
+        print(f"no dlrm-cxl regions under {shm_root()}")
+    for r in regions:
+        mark = ("  -> would remove" if args.dry_run else "  -> removed") if r.path in gone else ""
+        print(f"{r.status:<8} {r.size_bytes / 1e6:>10.1f} MB  {r.path}  ({r.reason}){mark}")
+    kept = [r for r in regions if r.status == ORPHAN and r.path not in gone]
+    if kept:
+        print(f"kept {len(kept)} orphan(s) that changed status or could not be removed (permissions?)")
+    unknown = [r for r in regions if r.status == UNKNOWN]
+    if unknown:
+        print(f"kept {len(unknown)} region(s) of unknown owner (e.g. made before owners were recorded): "
+              f"remove such a region by hand once no pool uses it")
+    print(summary)
+    return 0
+
+
 def _cmd_data(args) -> int:
     from .data import convert_tsv_to_zarr
     from .trainer import data_spec
@@ -518,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse reports usage errors by exiting; keep main() a function
         return int(exc.code or 0)
     handlers = {"train": _cmd_train, "recover": _cmd_recover, "inspect": _cmd_inspect, "eval": _cmd_eval,
-                "export": _cmd_export, "import": _cmd_import, "data": _cmd_data}
+                "export": _cmd_export, "import": _cmd_import, "data": _cmd_data, "destroy": _cmd_destroy,
+                "gc": _cmd_gc}
     try:
         return handlers[args.command](args)
     except DlrmCxlError as exc:

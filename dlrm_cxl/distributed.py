@@ -27,7 +27,6 @@ torchrun's elastic restart does not crash again.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -37,9 +36,8 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.digest import combine_digests
-from checkpointing.job import JOB_FILE
+from checkpointing.job import JOB_FILE, read_job_file, write_job_file
 from memory_pool import ConfigMismatchError, PoolFormatError, destroy_pool
-from memory_pool._fs import atomic_write
 
 __all__ = ["DistContext", "init_distributed", "is_distributed_env", "job_file", "rank_dir", "combine_digests",
            "owned_features"]
@@ -200,7 +198,8 @@ def init_distributed(device: str, num_features: int) -> DistContext:
 def prepare_job_dir(path, ctx: DistContext, *, fresh: bool, job: dict, log) -> bool:
     """Create or check ``DIR/job.json``; returns whether the rank pools already exist (on every rank).
 
-    Every rank calls this (it runs collectives)."""
+    ``job.json`` carries a crc32 (:func:`checkpointing.job.write_job_file`) and is verified on
+    every rank (:func:`checkpointing.job.read_job_file`). Every rank calls this (it runs collectives)."""
     path = Path(path)
     if fresh and ctx.rank == 0 and path.exists():
         for d in sorted(path.glob("rank-*")):
@@ -215,12 +214,9 @@ def prepare_job_dir(path, ctx: DistContext, *, fresh: bool, job: dict, log) -> b
         if path.exists() and (path / "pool.json").exists():
             raise ConfigMismatchError(f"{path} is a single-process pool; it cannot be trained by {ctx.world} ranks")
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write(job_file(path), json.dumps({**job, "world_size": ctx.world}, indent=1, sort_keys=True).encode())
+        write_job_file(path, {**job, "world_size": ctx.world})  # with its crc32, atomically
     ctx.barrier()
-    try:
-        stored = json.loads(job_file(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise PoolFormatError(f"{job_file(path)}: unreadable job file ({exc})") from None
+    stored = read_job_file(path)  # verified: a damaged or truncated job.json is PoolCorruptError
     if stored.get("world_size") != ctx.world:
         raise ConfigMismatchError(
             f"{path} was created by {stored.get('world_size')} ranks, this job has {ctx.world}",

@@ -8,14 +8,25 @@ are autograd leaves; after ``loss.backward()`` their gradients are scattered to 
 touched rows, and :class:`SparseOptimizer` updates those rows (and their optimizer state, which
 is also a pool table) in place.
 
-One training step, as the trainer drives it::
+One training step, as the trainer drives it, on the fused path (the default: every table in
+the pool's arena, none behind a DRAM row cache)::
 
-    plan = model.plan(batch.sparse)            # validate ids; unique rows per table
-    touched = optimizer.touched(plan)          # (table, rows) about to change: the undo log's input
-    logits, pooled = model(batch.dense, plan)  # forward; pooled is a leaf [B, F, D]
+    plan = model.plan(batch.sparse, fused=True)    # validate ids; unique rows per table
+    touched = optimizer.touched(plan)              # (table, rows) about to change: the undo log's input
+    logits, pooled = model.forward_fused(batch.dense, plan)   # fbgemm TBE forward over pool memory
+    pooled.register_hook(write_ahead_barrier)      # runs right before the fused update
+    loss.backward()                                # fbgemm's fused backward + optimizer: rows in place
+
+and on the reference path (cached tables, several ranks)::
+
+    plan = model.plan(batch.sparse)
+    logits, pooled = model(batch.dense, plan)      # forward; pooled is a leaf [B, F, D]
     loss.backward()
-    updates = optimizer.compute(plan, pooled.grad)   # new rows, nothing written yet
-    optimizer.apply(updates)                   # in-place writes (after the undo log is durable)
+    updates = optimizer.compute(plan, pooled.grad) # new rows, nothing written yet
+    optimizer.apply(updates)                       # in-place writes (after the undo log is durable)
+
+Both paths compute fbgemm's EXACT_ROWWISE_ADAGRAD / EXACT_SGD and agree to float rounding; the
+fused one is the kernel TorchRec's FUSED compute kernel runs (bit-identical to it).
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from memory_pool import InvalidIdsError, MemoryPool, Table
+
+from .data.batch import criteo_feature_names
 
 __all__ = [
     "ModelConfig",
@@ -50,7 +63,7 @@ KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
     5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )
-CRITEO_FEATURES = tuple(f"cat_{i}" for i in range(26))
+CRITEO_FEATURES = criteo_feature_names()
 
 
 @dataclass(frozen=True)
@@ -159,7 +172,9 @@ class SparsePlan:
     offsets: list[torch.Tensor]    # [B] int64
     bag_of_id: list[torch.Tensor | None]  # [n_f] sample of each id (None: one id per sample)
     rows: list[torch.Tensor]       # [u_f] sorted distinct rows
-    inverse: list[torch.Tensor]    # [n_f] index into rows
+    inverse: list[torch.Tensor]    # [n_f] index into rows (reference path only)
+    values: torch.Tensor | None = None   # fused path: the KJT's ids (int64) and bag offsets
+    kjt_offsets: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------- model
@@ -192,9 +207,46 @@ class PoolDLRM(nn.Module):
         self.over_arch = OverArch(D + F * (F - 1) // 2 + F, list(cfg.top_mlp), device=device)
         self.inter_arch.to(device)
         self.dense_device = device
+        self.fused = None  # set by bind_fused()
+        base = [0]
+        for t in self.tables:
+            base.append(base[-1] + t.num_embeddings)
+        self._row_base = torch.tensor(base, dtype=torch.int64)
 
-    def plan(self, kjt: KeyedJaggedTensor) -> SparsePlan:
-        """Validate a batch's sparse input (raises InvalidIdsError/ValueError) and index it."""
+    def _check_ids(self, keys, values: torch.Tensor, bounds: list[int]) -> None:
+        """Every id in range, all features at once; on failure the per-feature check names the
+        feature and the id. Nothing has changed when this raises."""
+        if not values.numel():
+            return
+        sizes = [t.num_embeddings for t in self.tables]
+        feats = [values[bounds[f]:bounds[f + 1]] for f in self.features]
+        lo, hi = torch.aminmax(values)
+        ok = int(lo) >= 0 and int(hi) < min(sizes)
+        if not ok and int(lo) >= 0:
+            limit = self._limits(bounds)
+            if limit is not None:
+                ok = not bool((values >= limit).any())
+        if ok:
+            return
+        for f, table, ids in zip(self.features, self.tables, feats):
+            if ids.numel():
+                lo, hi = (int(x) for x in torch.aminmax(ids))
+                if lo < 0:
+                    raise InvalidIdsError(f"feature {keys[f]!r}: negative sparse id {lo}")
+                if hi >= table.num_embeddings:
+                    raise InvalidIdsError(
+                        f"feature {keys[f]!r}: id {hi} out of range [0, {table.num_embeddings})")
+
+    def _limits(self, bounds: list[int]) -> torch.Tensor | None:
+        if self.features != list(range(len(self.cfg.feature_names))):
+            return None
+        sizes = torch.tensor([t.num_embeddings for t in self.tables])
+        return torch.repeat_interleave(sizes, torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1]))
+
+    def plan(self, kjt: KeyedJaggedTensor, *, fused: bool = False) -> SparsePlan:
+        """Validate a batch's sparse input (raises InvalidIdsError/ValueError) and index it.
+        ``fused``: only what the fused path needs (distinct rows per table, found with one sort
+        over all tables)."""
         keys = list(kjt.keys())
         if keys != list(self.cfg.feature_names):
             raise ValueError(f"KeyedJaggedTensor keys {keys} != model features {list(self.cfg.feature_names)}")
@@ -203,19 +255,22 @@ class PoolDLRM(nn.Module):
         if values.dtype not in (torch.int64, torch.int32):
             raise InvalidIdsError(f"sparse ids must be integers, got {values.dtype}")
         values = values.to(torch.int64)
-        lengths = kjt.lengths().to(torch.int64)
         bounds = kjt.offset_per_key()
-        # Validate every feature before indexing any, naming the feature and the bad id.
-        for f, table in zip(self.features, self.tables):
-            ids = values[bounds[f]:bounds[f + 1]]
-            if ids.numel():
-                lo, hi = (int(x) for x in torch.aminmax(ids))
-                if lo < 0:
-                    raise InvalidIdsError(f"feature {keys[f]!r}: negative sparse id {lo}")
-                if hi >= table.num_embeddings:
-                    raise InvalidIdsError(
-                        f"feature {keys[f]!r}: id {hi} out of range [0, {table.num_embeddings})")
+        self._check_ids(keys, values, bounds)
         plan = SparsePlan(B, [], [], [], [], [])
+        if fused:
+            plan.values = values
+            plan.kjt_offsets = kjt.offsets().to(torch.int64)
+            # Distinct rows of every table with one sort: shift each table's ids by the rows of
+            # the tables before it, unique once, split at the table boundaries.
+            base = self._row_base
+            lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+            shifted = values + torch.repeat_interleave(base[:-1], lens)
+            uniq = torch.unique(shifted, sorted=True)
+            cut = torch.searchsorted(uniq, base).tolist()
+            plan.rows = [uniq[cut[f]:cut[f + 1]] - base[f] for f in range(len(self.features))]
+            return plan
+        lengths = kjt.lengths().to(torch.int64)
         for f in self.features:
             ids = values[bounds[f]:bounds[f + 1]]
             lens = lengths[f * B:(f + 1) * B]
@@ -232,9 +287,39 @@ class PoolDLRM(nn.Module):
             plan.inverse.append(inverse)
         return plan
 
+    # -- the fused path: fbgemm's table-batched kernels in place on the pool's arena
+    def bind_fused(self, pool: MemoryPool) -> bool:
+        """Bind fbgemm's fused kernels to the pool's memory; False (reference path) when a
+        table is served through a DRAM row cache, is not float32, or is not in the arena, or
+        when this model holds a subset of the features (several ranks)."""
+        from .fused import FusedEmbeddingBags, FusedTableSpec
+
+        eo = self.cfg.embedding_optimizer
+        states = [pool.table(state_table_name(t.name)) if eo.kind == "rowwise_adagrad" else None
+                  for t in self.tables]
+        every = self.tables + [s for s in states if s is not None]
+        if (self.features != list(range(len(self.cfg.feature_names))) or any(t.cached for t in every)
+                or any(t.dtype != torch.float32 or t.arena_offset is None for t in every)):
+            self.fused = None
+            return False
+        specs = [FusedTableSpec(t.num_embeddings, t.embedding_dim, t.arena_offset // 4,
+                                s.arena_offset // 4 if s is not None else None) for t, s in zip(self.tables, states)]
+        flat = pool.arena_tensor(torch.float32)
+        self.fused = FusedEmbeddingBags(specs, flat, optimizer=eo.kind, lr=eo.lr, eps=eo.eps,
+                                        state=flat if eo.kind == "rowwise_adagrad" else None)
+        return True
+
+    def forward_fused(self, dense: torch.Tensor, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits [B], pooled [B, F*D] from the fused kernel). ``loss.backward()`` then
+        updates the batch's rows and their optimizer state in the pool, in place."""
+        pooled = self.fused(plan.values, plan.kjt_offsets)
+        B, F_ = plan.batch_size, len(self.features)
+        sparse = pooled.to(self.dense_device).view(B, F_, self.cfg.embedding_dim)
+        return self.forward_pooled(dense, sparse), pooled
+
     def pooled(self, plan: SparsePlan) -> torch.Tensor:
         """Sum-pooled embeddings [B, F, D] of this pool's features, read from the pool (no autograd)."""
-        outs = [t._pooled(ids, off) for t, ids, off in zip(self.tables, plan.ids, plan.offsets)]
+        outs = [t.pooled_rows(ids, off) for t, ids, off in zip(self.tables, plan.ids, plan.offsets)]
         return torch.stack(outs, dim=1)
 
     def forward(self, dense: torch.Tensor, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,9 +355,8 @@ class PoolDLRM(nn.Module):
             weights.append(w)
         self.load_state_dict(dense)
         for t, w in zip(self.tables, weights):
-            # Through _scatter, not view().copy_(): a table served through a DRAM row cache must
-            # not keep serving the rows it cached before the import.
-            t._scatter(torch.arange(t.num_embeddings), w.detach().to("cpu", t.dtype).contiguous())
+            # A durable bulk load (a table served through a DRAM row cache drops what it cached).
+            t.load_(w.detach().to("cpu", t.dtype).contiguous())
 
 
 def to_torchrec_state_dict(model: PoolDLRM) -> dict[str, torch.Tensor]:
@@ -326,8 +410,7 @@ class SparseOptimizer:
         for name, n in ((model_cfg.feature_names[f], model_cfg.num_embeddings[f]) for f in features):
             t = pool.create_table(state_table_name(name), n, 1)
             if cfg.initial_accumulator:
-                t.view().fill_(cfg.initial_accumulator)
-                t._region.mark_dirty(torch.arange(n))
+                t.load_(torch.full((n, 1), float(cfg.initial_accumulator)))
 
     def touched(self, plan: SparsePlan) -> list[tuple[Table, torch.Tensor]]:
         """Every (table, rows) this step will change: what the undo log must save first."""
@@ -379,8 +462,8 @@ class SparseOptimizer:
     def apply(updates: Sequence[RowUpdate], between=None) -> None:
         """Write the new rows in place. ``between(i)`` is called after update i (crash injection)."""
         for i, u in enumerate(updates):
-            u.table._scatter(u.rows, u.weights)
+            u.table.scatter_rows(u.rows, u.weights)
             if u.state_table is not None:
-                u.state_table._scatter(u.rows, u.state)
+                u.state_table.scatter_rows(u.rows, u.state)
             if between is not None:
                 between(i)

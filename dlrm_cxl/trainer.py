@@ -21,10 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpointing import (CrashPlan, NoCheckpointer, UndoLogCheckpointer, checkpoint_status, read_commit,
-                           read_dense, recover, state_digest)
+from checkpointing import (CrashPlan, NoCheckpointer, UndoLogCheckpointer, checkpoint_status, committed_state,
+                           recover, state_digest)
 from checkpointing.job import is_job
-from checkpointing.store import ckpt_dir
 from memory_pool import ConfigMismatchError, MemoryPool, PoolFormatError, TrainingDivergedError, destroy_pool
 
 from .data import DataSpec, Prefetcher, SyntheticData, make_data_source
@@ -72,6 +71,7 @@ class TrainOptions:
     fresh: bool = False
     progress: bool = True
     zipf_alpha: float = 1.05
+    kernel: str = "fused"              # fused (fbgemm TBE in place) | reference (see model.py)
 
 
 def validate_options(o: TrainOptions) -> None:
@@ -87,6 +87,8 @@ def validate_options(o: TrainOptions) -> None:
         raise ValueError(f"--device must be cpu or cuda, got {o.device!r}")
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available on this machine")
+    if o.kernel not in ("fused", "reference"):
+        raise ValueError(f"--kernel must be fused or reference, got {o.kernel!r}")
     if o.threads is not None and o.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {o.threads}")
 
@@ -115,20 +117,11 @@ class TrainSummary:
 
 
 def default_dense_every(pool: MemoryPool) -> int:
-    """Steps between recovery points when --dense-every is not given, by what a persist costs.
+    """Steps between recovery points when --dense-every is not given: every step, on every tier.
 
-    shm, dram and real persistent memory persist a row for (almost) nothing, so every step is a
-    recovery point. Emulated pmem persists through msync, which writes back whole 4 KiB pages
-    and makes the next store to each of them fault: with ~15k scattered rows changed per
-    `small` step that is ~60 MB of writeback and ~15k faults a step, so recovery points are
-    spaced out (measured on a 2-core machine: msync every step halves the steps/s, every 50
-    steps costs ~10%; tools/bench_train.py --tiers pmem --dense-every N). power-sim writes
-    pages with pwrite and takes no faults: every 10 steps.
-    """
-    if pool.tier == "pmem" and not pool.real_pmem:
-        return 50
-    if pool.tier == "power-sim":
-        return 10
+    Persisting costs what its bytes cost (the journal is byte-granular with group commit, and
+    the commit of step k is written while step k+1 computes), so there is no reason to lose
+    more than the step in flight and the one before it. See tools/bench_train.py."""
     return 1
 
 
@@ -264,9 +257,16 @@ class Trainer:
 
     def _build(self, created: bool) -> None:
         o, cfg = self.o, self.cfg
+        # Every RNG the process has is seeded (and part of the dense state and of the digest),
+        # so the same seed gives the same state whatever ran in this process before.
         torch.manual_seed(o.seed)
+        random.seed(o.seed)
+        np.random.seed(o.seed % 2**32)
         features = self.dist.features if self.dist is not None else None
         self.model = PoolDLRM(cfg, self.pool, dense_device=o.device, features=features)
+        # fbgemm's fused kernels in place on the pool (see model.py); the reference path when a
+        # table is behind a DRAM row cache, or with several ranks (tables sharded).
+        self.fused = self.dist is None and o.kernel == "fused" and self.model.bind_fused(self.pool)
         self.dense_opt = build_dense_optimizer(cfg, self.model.parameters())
         self.sparse_opt = SparseOptimizer(cfg.embedding_optimizer, self.pool, self.model.tables)
         self.spec = data_spec(cfg)
@@ -286,13 +286,11 @@ class Trainer:
             self._positions[0] = None
             self.ckpt.checkpoint_now(0)  # step 0 (the initial state) is the first recovery point
         else:
-            d = ckpt_dir(self.pool.storage_dir)
-            commit = read_commit(d)
-            if commit is None:
+            step, state = committed_state(self.pool)
+            if state is None:
                 raise PoolFormatError(
                     f"{self.pool.path} holds tables but no checkpoint: its creation was interrupted "
                     f"before the first commit", hint="start over with --fresh")
-            state = read_dense(d / commit["dense_file"], commit["dense_crc32"])
             self._load_dense(state)
 
     # -- dense state
@@ -308,9 +306,10 @@ class Trainer:
         self.step = state["step"]
         self._positions = {self.step: state["data_position"]}
 
-    def digest(self) -> str:
-        """The state digest; with several ranks, the job's (the same on every rank)."""
-        mine = state_digest(self.pool, self._dense_state(self.step))
+    def digest(self, *, resume: bool = True) -> str:
+        """The state digest (``resume=False``: the model digest); with several ranks, the job's
+        (the same on every rank)."""
+        mine = state_digest(self.pool, self._dense_state(self.step), resume=resume)
         if self.dist is None:
             return mine
         from .distributed import combine_digests
@@ -319,8 +318,49 @@ class Trainer:
 
     # -- one step
     def train_step(self, k: int, batch) -> float:
+        """One step. The call order of the checkpointer (checkpointing/base.py) around fbgemm's
+        fused kernels: log the before-images of the rows the step will change, forward, and the
+        write-ahead barrier right before the fused backward changes them in place; commit."""
         if self.dist is not None:
             return self._train_step_sharded(k, batch)
+        if not self.fused:
+            return self._train_step_reference(k, batch)
+        ck, model = self.ckpt, self.model
+        ck.begin_step(k)
+        try:
+            with _phase("plan"):
+                plan = model.plan(batch.sparse, fused=True)
+            with _phase("log_before_image"):
+                ck.log_before_image(self.sparse_opt.touched(plan))
+            with _phase("forward"):
+                logits, pooled = model.forward_fused(batch.dense, plan)
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
+                if not bool(torch.isfinite(loss)):
+                    self._diverged(k, float(loss.detach()))
+            with _phase("backward_and_fused_update"):
+                self.dense_opt.zero_grad(set_to_none=True)
+                # The gradient of the pooled output is ready just before fbgemm's backward updates
+                # the rows in place: the write-ahead barrier goes exactly there, so the undo log's
+                # write overlaps the forward and the dense backward.
+                pooled.register_hook(lambda g: self._barrier(ck))
+                loss.backward()
+                ck.hit("mid-update")  # rows updated, dense step not yet
+            with _phase("dense_optimizer"):
+                ck.update(self.dense_opt.step)
+        except BaseException:
+            ck.abort()  # (what `with ck.step(k)` does; spelled out to time the commit below)
+            raise
+        with _phase("commit"):
+            ck.commit(k, final=(k == self.o.steps))
+        self.step = k
+        return float(loss.detach())
+
+    @staticmethod
+    def _barrier(ck) -> None:
+        ck.persist()
+        ck.mark_updated()
+
+    def _train_step_reference(self, k: int, batch) -> float:
         ck, model = self.ckpt, self.model
         with ck.step(k, final=(k == self.o.steps)):
             plan = model.plan(batch.sparse)
@@ -385,6 +425,7 @@ class Trainer:
                  f"checkpoint {o.checkpoint} (recovery point every {self.dense_every} steps) | step {start} -> {o.steps}")
         losses: list[float] = []
         evals = []
+        io0 = io_write_bytes()
         t0 = time.perf_counter()
         n = max(o.steps - start, 0)
         bar = None
@@ -417,6 +458,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
         dt = time.perf_counter() - t0
+        io1 = io_write_bytes()
         samples = n * self.cfg.batch_size
         summary = TrainSummary(
             pool=o.pool, tier=self.pool.tier, durability=self.pool.durability, start_step=start,
@@ -424,7 +466,7 @@ class Trainer:
             samples_per_s=samples / dt if dt > 0 and n else 0.0,
             final_loss=float(np.mean(losses[-10:])) if losses else None,
             epochs=(last_pos or {}).get("epoch") if isinstance(last_pos, dict) else None,
-            checkpoint=self.ckpt.stats.as_dict(),
+            checkpoint=_with_device_bytes(self.ckpt.stats.as_dict(), io1 - io0 if io0 >= 0 else -1, n),
             recovered=self.recovery.as_dict() if self.recovery else None,
             eval=evals, pool_stats=self.pool.stats.as_dict(),
             distributed=None if self.dist is None else {
@@ -446,6 +488,37 @@ class Trainer:
             self.ckpt.close()
         finally:
             self.pool.close()
+
+
+def _phase(name: str):
+    """A named range for torch.profiler (tools/profile_step.py); next to free when not profiling."""
+    return torch.profiler.record_function(f"dlrm_cxl.{name}")
+
+
+def io_write_bytes() -> int:
+    """Bytes this process caused to be written to storage so far (``write_bytes`` of
+    /proc/self/io: all threads, page-granular, counted when a page is dirtied); -1 if unknown."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _with_device_bytes(d: dict, device_bytes: int, steps: int) -> dict:
+    """Per step: touched-row bytes (before-images on direct tiers, after-images on journaled
+    ones), dense bytes, bytes written to the device, and their ratio (write amplification)."""
+    n = max(steps, 1)
+    rows = (d["log_bytes"] + d["table_bytes_persisted"]) / n
+    dense = d["dense_bytes"] / n
+    d["touched_row_bytes_per_step"] = rows
+    d["dense_bytes_per_step"] = dense
+    d["device_write_bytes_per_step"] = device_bytes / n if device_bytes >= 0 else None
+    d["write_amplification"] = (device_bytes / n) / (rows + dense) if device_bytes >= 0 and rows + dense else None
+    return d
 
 
 def capture_dense_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -9,8 +9,9 @@
 
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
+from .lifecycle import RegionInfo, find_regions, gc, record_owner
 from .pool import FORMAT_VERSION, MemoryPool, PoolStats, Table, TableConfig, destroy_pool, read_header
 from .tiers import TIERS
 
 __all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "TIERS", "FORMAT_VERSION",
-           "destroy_pool", "read_header", *_errors_all]
+           "destroy_pool", "read_header", "RegionInfo", "record_owner", "find_regions", "gc", *_errors_all]

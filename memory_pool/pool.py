@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
@@ -50,12 +51,16 @@ from .errors import (
     TableExistsError,
     TableNotFoundError,
 )
-from .tiers import TIERS, Region, detect_dax, durability_of, libpmem_missing, open_region, shm_root, torch_dtype
+from .lifecycle import record_owner
+from .arena import Arena, page_round
+from .journal import Journal, RecordType, decode_rows, encode_rows
+from .tiers import (TIERS, Region, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
+                    torch_dtype)
 
 __all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION"]
 
 MAGIC = "dlrm-cxl-pool"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: journal (byte-granular persistence), arena layout of the checkpointer
 HEADER = "pool.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -175,6 +180,8 @@ class PoolStats:
     persist_calls: int = 0
     bytes_persisted: int = 0
     persist_seconds: float = 0.0
+    bytes_written_back: int = 0     # rows written from the journal into the table images
+    bytes_compacted: int = 0        # journal bytes dropped after write-back
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -241,6 +248,41 @@ class Table:
             self._cache.write_through(ids, values)
         self.pool.stats.bytes_written += values.numel() * values.element_size()
 
+    # -- trusted fast path: for callers that validated ids against this table (the trainer,
+    #    the checkpointer, recovery). No checks; documented so no one reaches for _private.
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64, valid) as a new tensor, through the cache when there is one."""
+        return self._gather(ids)
+
+    def scatter_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set rows ``ids`` (int64, valid, distinct) to ``values`` in place (cache kept coherent)."""
+        self._scatter(ids, values)
+
+    def pooled_rows(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Sum-pooled bags of valid ``ids`` with bag starts ``offsets`` -> [B, dim]."""
+        return self._pooled(ids, offsets)
+
+    def restore_raw(self, ids: torch.Tensor, raw: torch.Tensor) -> None:
+        """Set rows ``ids`` to raw bytes ``raw`` [n, row_bytes] (recovery's write path)."""
+        self._region.restore_rows(ids, raw)
+        if self._cache is not None:
+            self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
+
+    def mark_dirty(self, ids: torch.Tensor) -> None:
+        """Note rows changed in place by a trusted writer (e.g. a fused kernel): the next
+        ``persist()`` covers them."""
+        self._region.mark_dirty(ids)
+
+    def take_dirty(self) -> torch.Tensor:
+        """Rows written since the last persist (sorted), forgotten by the table."""
+        return self._region.take_dirty()
+
+    @property
+    def arena_offset(self) -> int | None:
+        """Byte offset of row 0 in the pool's arena (see :meth:`MemoryPool.arena_tensor`);
+        None when the table is not in the arena."""
+        return self._region.offset
+
     def _pooled(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
         if self._cache is None:
             self.pool.stats.bytes_read_home += ids.numel() * self.config.row_bytes
@@ -277,10 +319,8 @@ class Table:
         """Make rows ``ids`` (default: every row written since the last persist) durable."""
         self.pool._check_writable()
         t0 = time.perf_counter()
-        if ids is None:
-            n = self._region.persist_all()
-        else:
-            n = self._region.persist_rows(_validate_ids(ids, self.config))
+        ids = self._region.take_dirty() if ids is None else torch.unique(_validate_ids(ids, self.config))
+        n = self.pool._persist_rows([(self, ids)])
         st = self.pool.stats
         st.persist_calls += 1
         st.bytes_persisted += n
@@ -294,18 +334,45 @@ class Table:
         table-sized temporary. Deterministic in ``seed``."""
         self.pool._check_writable()
         _validate_init(init)
-        t = self._region.tensor
         if init == "zeros":
-            t.zero_()
-        elif init == "uniform":
+            chunks = ((a, None) for a in range(0, self.num_embeddings, chunk_rows))
+        else:
             s = (1.0 / self.num_embeddings) ** 0.5 if scale is None else scale
             g = torch.Generator().manual_seed(seed)
-            for a in range(0, self.num_embeddings, chunk_rows):
-                b = min(a + chunk_rows, self.num_embeddings)
-                t[a:b] = (torch.rand(b - a, self.embedding_dim, generator=g) * (2 * s) - s).to(t.dtype)
-        self._region.mark_dirty(torch.arange(self.num_embeddings))
+            chunks = ((a, torch.rand(min(chunk_rows, self.num_embeddings - a), self.embedding_dim, generator=g)
+                       * (2 * s) - s) for a in range(0, self.num_embeddings, chunk_rows))
+        self._load_chunks(chunks, chunk_rows)
+
+    def load_(self, values: torch.Tensor) -> None:
+        """Replace every row with ``values`` [rows, dim], durably (a bulk write: on a journaled
+        tier it goes straight to the table image, not through the journal)."""
+        self.pool._check_writable()
+        values = _validate_values(values, self.num_embeddings, self.config)
+        step = 1 << 18
+        self._load_chunks(((a, values[a:a + step]) for a in range(0, self.num_embeddings, step)), step)
+
+    def _load_chunks(self, chunks, chunk_rows: int) -> None:
+        region = self._region
+        t = region.tensor
+        for a, vals in chunks:
+            b = min(a + chunk_rows, self.num_embeddings)
+            if vals is None:
+                vals = torch.zeros(b - a, self.embedding_dim)
+            vals = vals.to(t.dtype).contiguous()
+            if region.journaled:
+                region.write_back(torch.arange(a, b), vals.view(torch.uint8).view(b - a, -1))
+            else:
+                t[a:b] = vals
+        if region.journaled:
+            # The image holds the new rows durably; map it afresh so this process sees them
+            # (and drops any copy-on-write pages of the old ones).
+            region.sync()
+            self.pool._remap(self)
+            region.take_dirty()
+        elif self.pool.tier == "pmem":
+            region.flush_rows(torch.arange(self.num_embeddings))
         if self._cache is not None:
-            self._cache = RowCache(t, self._cache.capacity)
+            self._cache = RowCache(region.tensor, self._cache.capacity)
 
 
 def _validate_init(init) -> None:
@@ -395,22 +462,150 @@ class MemoryPool:
         self.stats = PoolStats()
         self._tables: dict[str, Table] = {}
         self._meta_lock = threading.Lock()
+        self._compactor: ThreadPoolExecutor | None = None
+        self._compaction: Future | None = None
+        self.journal: Journal | None = None
         try:
             cfgs = [TableConfig(t["name"], t["num_embeddings"], t["embedding_dim"], t["dtype"])
                     for t in header["tables"]]
             total = sum(c.nbytes for c in cfgs)
+            # One address range for every table (see arena.py); room for tables created later.
+            need = sum(page_round(c.nbytes) for c in cfgs)
+            self._arena = Arena(need + max(need, 16 << 30))
+            self._real_pmem = (self.tier == "pmem" and use_libpmem is not False and libpmem() is not None
+                               and detect_dax(self.storage_dir))
+            self.journaled = is_journaled(self.tier, self._real_pmem)
+            # The pool's journal: rows persisted on a journaled tier, and the checkpointer's
+            # records on every tier. Synced except where a sync means nothing (shm is RAM and
+            # survives only a trainer crash; a dram pool survives nothing).
+            self.journal = Journal(self.storage_dir / "journal", sync=self.tier not in ("shm", "dram"),
+                                   read_only=read_only)
+            if self.journaled and not read_only and all(r.tag < 0 for r in self.journal.tail) and (
+                    self.journal.tail or self.journal.torn_bytes):
+                # An unfinished transaction of persisted rows (or a torn record): never vouched
+                # for, never replayed. Drop it so that the next transaction does not end up
+                # sealing it. (Records of training steps are the checkpointer's: its recovery
+                # reports and drops them.)
+                self.journal.truncate_tail()
+            replay = self._replay_plan() if self.journaled else {}
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
             # rows (the budget covers each cache's map and metadata too).
             split = dram_cache_bytes is not None and total > dram_cache_bytes
             for cfg in cfgs:
                 share = dram_cache_bytes * cfg.nbytes // total if split else None
-                self._tables[cfg.name] = self._attach(cfg, create=False, share=share)
+                self._tables[cfg.name] = self._attach(cfg, create=False, share=share,
+                                                      replay=replay.get(cfg.name))
             if split:
                 self._dram_left = 0
         except BaseException:
             self.close()
             raise
+
+    # -- the journal: replay at open, persist, compaction
+    def _replay_plan(self) -> dict[str, list]:
+        """ROWS records of every complete transaction, per table, in journal order."""
+        plan: dict[str, list] = {}
+        for txn in self.journal.txns:
+            for ref in txn.records:
+                if ref.type == RecordType.ROWS:
+                    name, ids, raw = decode_rows(self.journal.read(ref))
+                    plan.setdefault(name, []).append((ids, raw))
+        unknown = set(plan) - {t["name"] for t in self._header["tables"]}
+        if unknown:
+            raise PoolCorruptError(f"{self.path}: the journal holds rows of unknown tables {sorted(unknown)}")
+        return plan
+
+    @staticmethod
+    def _latest(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate (ids, raw) parts in order; keep the last value of every row; sort by row."""
+        ids = torch.cat([p[0] for p in parts])
+        raw = torch.cat([p[1] for p in parts])
+        # The last occurrence of each id wins: stable sort, then the last of each equal run.
+        order = torch.sort(ids, stable=True).indices
+        sid = ids[order]
+        last = torch.ones(sid.numel(), dtype=torch.bool)
+        if sid.numel() > 1:
+            last[:-1] = sid[1:] != sid[:-1]
+        keep = order[last]
+        return ids[keep], raw[keep]
+
+    def persist_rows(self, pairs) -> int:
+        """Make ``[(table, ids)]`` durable now (trusted ids), in one group commit on a
+        journaled tier. Returns the row bytes persisted."""
+        self._check_writable()
+        return self._persist_rows(pairs)
+
+    def _persist_rows(self, pairs) -> int:
+        """Make rows durable per the tier: journal (ROWS + one group commit), cache-line flush
+        (real pmem), or nothing (dram, shm: stores are already where they survive)."""
+        pairs = [(t, ids) for t, ids in pairs if ids.numel()]
+        if self.journaled:
+            if not pairs:
+                return 0
+            n = 0
+            for t, ids in pairs:
+                rows = t._region.tensor.index_select(0, ids)
+                self.journal.append(RecordType.ROWS, -1, encode_rows(t.name, ids, rows))
+                t._region.clear_dirty(ids)
+                n += ids.numel() * t.config.row_bytes
+            self.journal.end(-1, {"kind": "persist"})
+            return n
+        return sum(t._region.flush_rows(ids) for t, ids in pairs)
+
+    def _absorb(self, refs) -> None:
+        """Compaction: write the ROWS of journal records back into the table images, newest
+        value per row, sorted and coalesced; durable (fdatasync) before the records are dropped."""
+        parts: dict[str, list] = {}
+        for ref in refs:
+            if ref.type == RecordType.ROWS:
+                name, ids, raw = decode_rows(self.journal.read(ref))
+                parts.setdefault(name, []).append((ids, raw))
+        for name, p in parts.items():
+            region = self._tables[name]._region
+            ids, raw = self._latest(p)
+            self.stats.bytes_written_back += region.write_back(ids, raw)
+        for name in parts:
+            self._tables[name]._region.sync()
+
+    def compact(self, before_seq: int | None = None, *, wait: bool = True) -> Future | None:
+        """Write journal segments back into the table images and drop them: every segment
+        whose records all precede ``before_seq`` (default: every complete segment). With
+        ``wait=False`` it runs on a background thread (one at a time; None if one is running)."""
+        self._check_writable()
+        if self.journal is None:
+            return None
+        if before_seq is None:
+            self.journal.rotate()
+        seq = self.journal.next_seq if before_seq is None else before_seq
+
+        def run():
+            self.stats.bytes_compacted += self.journal.reclaim(seq, self._absorb if self.journaled else None)
+
+        if wait:
+            run()
+            return None
+        if self._compaction is not None and not self._compaction.done():
+            return None
+        if self._compactor is None:
+            self._compactor = ThreadPoolExecutor(1, thread_name_prefix="journal-compactor")
+        self._compaction = self._compactor.submit(run)
+        return self._compaction
+
+    def wait_compaction(self) -> None:
+        """Wait for a background compaction, if one is running (and raise its error)."""
+        if self._compaction is not None:
+            self._compaction.result()
+
+    def arena_tensor(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Every table of the pool as one flat tensor (no copy): table ``t`` starts at element
+        ``t.arena_offset // dtype.itemsize``. What fbgemm's table-batched kernels take."""
+        self._check_open()
+        return self._arena.flat(dtype)
+
+    def _remap(self, table: "Table") -> None:
+        r = table._region
+        self._arena.map_file(r.offset, r.fd, r.nbytes, shared=r.shared, writable=not r.read_only)
 
     # -- construction
     @classmethod
@@ -443,6 +638,10 @@ class MemoryPool:
             if (path / HEADER).exists():  # a concurrent create won the race
                 raise PoolExistsError(f"{path} already holds a pool")
             (storage / "tables").mkdir(parents=True, exist_ok=True)
+            if tier == "shm":
+                # Names the pool that owns the region, so that `dlrm-cxl gc` can tell a region
+                # whose directory was deleted by hand (rm -rf) from one in use.
+                record_owner(storage, path.resolve(), pool_id)
             header = {
                 "magic": MAGIC,
                 "format_version": FORMAT_VERSION,
@@ -514,13 +713,22 @@ class MemoryPool:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
 
-    def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
+    def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None, replay=None) -> Table:
         tier = self.tier
         file = None if tier == "dram" else self.storage_dir / "tables" / f"{cfg.name}.bin"
         if not create and file is not None and not file.exists():
             raise PoolCorruptError(f"{self.path}: table file {file} is missing")
-        region = open_region(tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype, create=create,
-                             read_only=self.read_only, use_libpmem=self._use_libpmem)
+        before_map = None
+        if replay and not self.read_only:
+            # A writer brings the image up to date with the journal before mapping it (pwrite:
+            # no page faults; idempotent, the journal keeps the records until compaction).
+            before_map = lambda region: region.write_back(*self._latest(replay))  # noqa: E731
+        region = open_region(self._arena, tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype,
+                             create=create, read_only=self.read_only, real_pmem=self._real_pmem,
+                             before_map=before_map)
+        if replay and self.read_only:
+            region.restore_rows(*self._latest(replay))  # into this process's private mapping
+            region.take_dirty()
         cache_rows = 0
         if share is not None:
             cache_rows = RowCache.slots_for_budget(share, cfg.num_embeddings, cfg.row_bytes)
@@ -558,13 +766,12 @@ class MemoryPool:
 
     @property
     def real_pmem(self) -> bool:
-        return any(getattr(t._region, "is_pmem", False) for t in self._tables.values()) or (
-            self.tier == "pmem" and not self._tables and detect_dax(self.path) and libpmem() is not None)
+        """A DAX mount with libpmem: rows are flushed with cache-line flushes, not journaled."""
+        return bool(self._real_pmem)
 
     @property
     def libpmem_used(self) -> bool:
-        return self.tier == "pmem" and any(getattr(t._region, "libpmem", None) for t in self._tables.values()) or (
-            self.tier == "pmem" and not self._tables and self._use_libpmem is not False and libpmem() is not None)
+        return self.real_pmem
 
     @property
     def durability(self) -> str:
@@ -697,9 +904,16 @@ class MemoryPool:
         return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(outs, dim=1))
 
     def persist(self) -> int:
-        """Make every row written since the last persist durable (per the tier's durability)."""
+        """Make every row written since the last persist durable (per the tier's durability):
+        on a journaled tier, one group commit for all tables."""
         self._check_writable()
-        return sum(t.persist() for t in self._tables.values())
+        t0 = time.perf_counter()
+        n = self._persist_rows([(t, t._region.take_dirty()) for t in self._tables.values()])
+        st = self.stats
+        st.persist_calls += 1
+        st.bytes_persisted += n
+        st.persist_seconds += time.perf_counter() - t0
+        return n
 
     # -- lifecycle
     def _check_open(self) -> None:
@@ -716,6 +930,10 @@ class MemoryPool:
         if self._closed:
             return
         self._closed = True
+        if self._compactor is not None:
+            self._compactor.shutdown(wait=True)
+        if self.journal is not None:
+            self.journal.close()
         for t in self._tables.values():
             t._region.close()
         if self._lock_fd is not None:

@@ -43,6 +43,16 @@ def _remove_pools_under(root: Path) -> None:
             continue
         if storage.name.startswith("dlrm-cxl-") and storage.parent == memory_pool.tiers.shm_root():
             shutil.rmtree(storage, ignore_errors=True)
+    memory_pool.gc(under=root)  # regions of pools under root that a test deleted with rmtree
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gc_shm_regions(tmp_path_factory):
+    """After the session, remove the orphaned shm regions of pools made under pytest's temporary
+    directories (this session's, and those of earlier sessions that pytest has since deleted)."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    memory_pool.gc(under=base.parent if base.parent.name.startswith("pytest-of-") else base)
 
 
 @pytest.fixture(scope="module")

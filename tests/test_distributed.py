@@ -110,7 +110,7 @@ def _toy_step(ck: UndoLogCheckpointer, table, k: int) -> None:
     with ck.step(k):
         ck.log_before_image([(table, rows)])
         ck.persist()
-        ck.update(lambda: table._scatter(rows, table.view().index_select(0, rows) + k))
+        ck.update(lambda: table.scatter_rows(rows, table.view().index_select(0, rows) + k))
 
 
 def test_rank_ahead_of_the_others_is_rolled_back_to_the_global_commit(tmp_path):
@@ -134,7 +134,7 @@ def test_rank_ahead_of_the_others_is_rolled_back_to_the_global_commit(tmp_path):
             _toy_step(ckpts[r], tables[r], k)
         digests_at[k] = [state_digest(p, dense(k)) for p in pools]
     for c in ckpts:
-        c._ckpt.wait_idle()
+        c.drain()
     # Step 5: rank 0 commits it durably; rank 1 logs and updates, then "dies" before committing.
     _toy_step(ckpts[0], tables[0], 5)
     ckpts[0].checkpoint_now(5)
@@ -142,7 +142,7 @@ def test_rank_ahead_of_the_others_is_rolled_back_to_the_global_commit(tmp_path):
     ckpts[1].begin_step(5)
     ckpts[1].log_before_image([(tables[1], rows)])
     ckpts[1].persist()
-    ckpts[1].update(lambda: tables[1]._scatter(rows, tables[1].view().index_select(0, rows) + 100))
+    ckpts[1].update(lambda: tables[1].scatter_rows(rows, tables[1].view().index_select(0, rows) + 100))
     assert state_digest(pools[0], dense(4)) != digests_at[4][0]  # rank 0 really is ahead
     for c, p in zip(ckpts, pools):
         c.close()

@@ -62,6 +62,7 @@ from checkpointing.baselines import FullSaveCheckpointer, IncrementalCheckpointe
 from checkpointing.store import ckpt_dir  # noqa: E402
 from dlrm_cxl.model import PRESETS  # noqa: E402
 from memory_pool import MemoryPool, destroy_pool  # noqa: E402
+from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,6 +228,7 @@ def main(argv=None) -> int:
     finally:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+            gc_shm_regions(under=workdir)  # shm regions of pools an error left behind
     print(f"\n# load avg at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if a.json:
         a.json.write_text(json.dumps(report, indent=1, default=str))

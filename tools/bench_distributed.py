@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     a = p.parse_args(argv)
     from memory_pool import destroy_pool
+    from memory_pool.lifecycle import gc as gc_shm_regions
 
     results: dict[int, list] = {1: [], 2: []}
     work = Path(tempfile.mkdtemp(prefix="dlrm-bench-dist-"))
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
                         destroy_pool(d)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        gc_shm_regions(under=work)  # shm regions of rank pools an error left behind
     print(f"\n# {a.preset}, tier {a.tier}, {a.steps} timed steps, {a.cores} cores split over the ranks")
     print(f"{'processes':<10} {'samples/s':>10} {'vs 1':>6} {'exchange ms/step':>17} {'commit agreement ms/step':>25}")
     base = statistics.median(s["samples_per_s"] for s in results[1])

@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memory_pool import MemoryPool, destroy_pool  # noqa: E402
+from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
 
 def zipf_ids(rows: int, n: int, alpha: float, perm: torch.Tensor, g: torch.Generator, p: torch.Tensor) -> torch.Tensor:
@@ -344,6 +345,7 @@ def main(argv=None) -> int:
             except Exception:
                 pass
         shutil.rmtree(root, ignore_errors=True)
+        gc_shm_regions(under=root)  # shm regions of pools destroy_pool could not remove
     return 0
 
 

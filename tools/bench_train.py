@@ -56,6 +56,7 @@ from dlrm_cxl.data import SyntheticData  # noqa: E402
 from dlrm_cxl.model import PRESETS, ModelConfig, torchrec_dlrm  # noqa: E402
 from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
+from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
 __all__ = ["make_batches", "PoolVariant", "TorchRecVariant", "interleave", "median", "fmt_table",
            "command_line", "machine_line", "drain", "io_write_bytes"]
@@ -95,11 +96,8 @@ def make_batches(cfg: ModelConfig, n: int, seed: int = 0, alpha: float = 1.05) -
 
 
 def drain(ckpt) -> None:
-    """Wait for a checkpointer's background work (undo log writer, checkpoint thread), if any."""
-    for attr in ("_log", "_ckpt"):
-        bg = getattr(ckpt, attr, None)
-        if bg is not None and hasattr(bg, "wait_idle"):
-            bg.wait_idle()
+    """Wait for a checkpointer's background work (the transaction in flight, compaction)."""
+    ckpt.drain()
 
 
 def fmt_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
@@ -387,6 +385,7 @@ def main(argv=None) -> int:
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)
+            gc_shm_regions(under=workdir)  # shm regions of pools an error left behind
 
     ref = median(res["torchrec"]) if "torchrec" in res else None
     rows = []

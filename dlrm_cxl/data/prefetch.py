@@ -1,0 +1,92 @@
+"""Background prefetching: :class:`Prefetcher` produces an iterator's next items in a thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterable
+
+from .batch import _is_int
+
+_ITEM, _END, _ERR = 0, 1, 2
+
+
+class Prefetcher:
+    """Produce the next items of an iterator in a background thread (queue depth ``depth``).
+
+    Order and content are unchanged; an exception raised by the underlying iterator is re-raised
+    by ``next()`` after the items produced before it. The Prefetcher owns the iterator: ``close()``
+    (or leaving the ``with`` block) stops the thread and closes a generator.
+    """
+
+    def __init__(self, iterable: Iterable, depth: int = 2):
+        if not _is_int(depth) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        self._it = iter(iterable)
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="dlrm-cxl-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, msg) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(msg, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._it:
+                if not self._put((_ITEM, item)):
+                    return
+            self._put((_END, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put((_ERR, e))
+        finally:
+            close = getattr(self._it, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    pass
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        kind, val = self._q.get()
+        if kind == _ITEM:
+            return val
+        self._done = True
+        self._thread.join()
+        if kind == _ERR:
+            raise val
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                while True:
+                    self._q.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()

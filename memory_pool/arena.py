@@ -1,0 +1,98 @@
+"""One contiguous range of virtual memory holding every table of a pool.
+
+fbgemm's table-batched embedding kernels take *one* flat weight tensor and an element offset per
+table (``weights_offsets``), and one flat optimizer-state tensor likewise. To run them in place
+on pool memory without copying and without changing the on-media layout (one file per table),
+the pool reserves one range of address space (``PROT_NONE``, nothing committed) and maps each
+table's file (or anonymous memory, for ``dram``) into it with ``MAP_FIXED`` at a page-aligned
+offset. :meth:`Arena.flat` is then a tensor over the whole range: every table is a slice of it,
+and a kernel that writes row ``r`` of table ``t`` at ``offset[t] + r * dim`` writes the table's
+own mapping.
+
+Lifetime: tensors made by :meth:`Arena.tensor` keep the arena object alive (through the buffer
+they were made from), and the range is unmapped only when the last of them is gone, so a view
+used after ``pool.close()`` never touches unmapped memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import torch
+
+__all__ = ["Arena", "PAGE", "page_round"]
+
+PAGE = mmap.PAGESIZE
+_PROT_NONE, _PROT_READ, _PROT_WRITE = 0, mmap.PROT_READ, mmap.PROT_WRITE
+_MAP_SHARED, _MAP_PRIVATE, _MAP_ANON = mmap.MAP_SHARED, mmap.MAP_PRIVATE, mmap.MAP_ANONYMOUS
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def page_round(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _mmap(addr, length, prot, flags, fd=-1, off=0) -> int:
+    p = _libc.mmap(addr, length, prot, flags, fd, off)
+    if p is None or p == _FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
+    return p
+
+
+class Arena:
+    """A reserved range of ``capacity`` bytes; tables are placed in it with :meth:`place`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = page_round(max(capacity, PAGE))
+        # Reserve only: no access, no memory, no swap accounted (NORESERVE).
+        self.base = _mmap(None, self.capacity, _PROT_NONE, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE)
+        self.used = 0
+        self._flat: torch.Tensor | None = None
+
+    def place(self, nbytes: int) -> int | None:
+        """A page-aligned offset for ``nbytes`` more bytes, or None when the range is full."""
+        off = self.used
+        if off + page_round(nbytes) > self.capacity:
+            return None
+        self.used = off + page_round(nbytes)
+        return off
+
+    def map_file(self, offset: int, fd: int, nbytes: int, *, shared: bool, writable: bool) -> int:
+        """Map ``fd`` (``nbytes`` long) at ``offset``. ``shared``: stores reach the file's page
+        cache (MAP_SHARED); else copy-on-write (MAP_PRIVATE): stores stay in this process."""
+        prot = _PROT_READ | (_PROT_WRITE if writable or not shared else 0)
+        flags = (_MAP_SHARED if shared else _MAP_PRIVATE) | _MAP_FIXED
+        return _mmap(self.base + offset, max(nbytes, 1), prot, flags, fd, 0)
+
+    def map_anon(self, offset: int, nbytes: int) -> int:
+        return _mmap(self.base + offset, page_round(max(nbytes, 1)), _PROT_READ | _PROT_WRITE,
+                     _MAP_PRIVATE | _MAP_ANON | _MAP_FIXED)
+
+    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor over [offset, offset + nbytes) of the arena (no copy)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        buf = (ctypes.c_char * nbytes).from_address(self.base + offset)
+        buf._arena = self  # the tensor holds buf, buf holds the arena: unmapped after the last view
+        return torch.frombuffer(buf, dtype=dtype)
+
+    def flat(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole used range as one flat tensor (what fbgemm's kernels index with offsets)."""
+        return self.tensor(0, self.used, dtype)
+
+    def __del__(self):
+        try:
+            _libc.munmap(self.base, self.capacity)
+        except Exception:
+            pass

@@ -1,0 +1,530 @@
+"""The persistence journal: a sequential, checksummed record log with group commit.
+
+Real persistent memory persists bytes (cache lines), not pages. An emulation that persists a
+256-byte row by ``msync``-ing its 4 KiB page is 16x off and makes every number it produces
+mislead. The journal gives emulated persistence the right cost model: persisting N bytes appends
+N bytes (plus a 40-byte header) to a sequential file, and one ``fdatasync`` makes a whole group
+of records durable (group commit). A compactor later writes the rows back into the table image
+files, sorted and coalesced, and drops the segments it has absorbed.
+
+Layout of ``<dir>/``::
+
+    seg-<first seq, 16 hex digits>.log   segments, appended to; a new one is started after a
+                                         transaction end once the current one is large
+    START                                first live sequence number (written before segments are
+                                         dropped, so a missing *first* segment is detected too)
+
+Segment: a 64-byte header (magic ``DCXJSEG1``, version, first seq, crc32c), then records.
+Record: a 40-byte header (magic ``DCXR``, type, seq, tag, payload length, crc32c of the payload,
+crc32c of the header) and the payload. Sequence numbers increase by one across segments, so a
+deleted or missing segment is a gap that the scan reports as damage, never skips.
+
+Transactions. Records between two ``END`` records form a transaction; ``END`` carries a tag (the
+training step) and a small JSON document. :meth:`Journal.end` is the commit, after SQLite's
+atomic-commit rule: the transaction's records are made durable *first* (``fdatasync``), then the
+``END`` record is appended and made durable. Hence:
+
+* every record before a valid ``END`` was durable before that ``END`` existed: a record before
+  the newest valid ``END`` that fails its checksum is **damage** (bit rot, a foreign write), and
+  opening refuses (:class:`JournalCorruptError`, exit 4) — nothing is changed;
+* records after the newest ``END`` belong to an unfinished transaction. They may be torn in any
+  order (pages reach the disk in any order before a sync): the **torn tail** is ignored and, by a
+  writer, truncated away before anything new is appended.
+
+Who uses which record types: the pool appends ``ROWS`` (after-images of rows: what persisting
+them means on a journaled tier) and replays the ``ROWS`` of complete transactions when it opens;
+the checkpointer adds ``UNDO`` (before-images) and ``DENSE`` (the dense state) records and ends
+each step's transaction with its commit document. ``ROWS`` and ``UNDO`` share one payload layout
+(:func:`encode_rows` / :func:`decode_rows`).
+
+Thread safety: one writer thread appends and ends transactions; :meth:`Journal.reclaim` (the
+compactor) may run on another thread; both take the journal's lock around segment-list changes.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import google_crc32c
+import numpy as np
+import torch
+
+from ._fs import atomic_write, fsync_dir, raise_if_full
+from .errors import PoolCorruptError
+
+__all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "encode_rows",
+           "decode_rows", "crc32c"]
+
+SEG_MAGIC = b"DCXJSEG1"
+SEG = struct.Struct("<8sIQ40xI")          # magic, version, first seq, pad, crc32c   (64 bytes)
+REC_MAGIC = b"DCXR"
+REC = struct.Struct("<4sB3xQqQII")        # magic, type, seq, tag, length, payload crc, header crc (40)
+ROWS_HEAD = struct.Struct("<HIQ")         # name length, row bytes, n rows
+VERSION = 1
+
+
+class RecordType(enum.IntEnum):
+    ROWS = 1    # after-images of rows (the pool's persist on a journaled tier)
+    END = 2     # transaction end: tag + JSON document
+    UNDO = 3    # before-images of rows (the checkpointer's undo log)
+    DENSE = 4   # the dense state of a step (the checkpointer's recovery point)
+
+
+class JournalCorruptError(PoolCorruptError):
+    """A journal record or segment before the newest transaction end is damaged or missing."""
+
+    exit_code = 4
+    default_hint = "the pool's journal is damaged; restore the pool from a copy (nothing was changed)"
+
+
+def crc32c(parts: Iterable, crc: int = 0) -> int:
+    for p in parts:
+        # the C extension takes bytes or numpy arrays, not writable memoryviews/bytearrays
+        crc = google_crc32c.extend(crc, p if isinstance(p, bytes) else np.frombuffer(p, dtype=np.uint8))
+    return crc
+
+
+@dataclass(frozen=True)
+class RecordRef:
+    """Where a record lives; read its payload with :meth:`Journal.read`."""
+
+    segment: Path
+    offset: int          # of the record header
+    type: int
+    seq: int
+    tag: int
+    length: int
+    crc: int
+
+    @property
+    def payload_offset(self) -> int:
+        return self.offset + REC.size
+
+
+@dataclass
+class TxnInfo:
+    """A complete transaction: its records and its END record's tag and document."""
+
+    tag: int
+    doc: dict
+    records: list[RecordRef]
+    end: RecordRef
+
+    @property
+    def first_seq(self) -> int:
+        return self.records[0].seq if self.records else self.end.seq
+
+
+@dataclass
+class _Segment:
+    path: Path
+    first_seq: int
+    size: int = 0
+    last_seq: int = -1     # of its last valid record (-1: none)
+
+
+def _seg_name(first_seq: int) -> str:
+    return f"seg-{first_seq:016x}.log"
+
+
+def _seg_header(first_seq: int) -> bytes:
+    body = SEG.pack(SEG_MAGIC, VERSION, first_seq, 0)[:-4]
+    return body + struct.pack("<I", google_crc32c.value(body))
+
+
+def _rec_header(rtype: int, seq: int, tag: int, length: int, pcrc: int) -> bytes:
+    body = REC.pack(REC_MAGIC, rtype, seq, tag, length, pcrc, 0)[:-4]
+    return body + struct.pack("<I", google_crc32c.value(body))
+
+
+def _parse_header(raw: bytes):
+    """(type, seq, tag, length, payload crc) or None when it is not a valid record header."""
+    if len(raw) < REC.size or raw[:4] != REC_MAGIC:
+        return None
+    magic, rtype, seq, tag, length, pcrc, hcrc = REC.unpack_from(raw)
+    if google_crc32c.value(bytes(raw[:REC.size - 4])) != hcrc:
+        return None
+    return rtype, seq, tag, length, pcrc
+
+
+# --------------------------------------------------------------------------- row payloads
+
+
+def encode_rows(name: str, ids: torch.Tensor, rows: torch.Tensor) -> list:
+    """Payload parts of a ROWS/UNDO record: name, ids (int64), raw row bytes. No copy of ``rows``."""
+    nb = name.encode()
+    ids = ids.to(torch.int64).contiguous()
+    data = rows.contiguous().view(torch.uint8).reshape(ids.numel(), -1) if ids.numel() else rows.new_empty(0, dtype=torch.uint8)
+    row_bytes = data.shape[1] if ids.numel() else rows.shape[-1] * rows.element_size()
+    return [ROWS_HEAD.pack(len(nb), row_bytes, ids.numel()) + nb,
+            memoryview(ids.numpy()).cast("B"), memoryview(data.reshape(-1).numpy()).cast("B")]
+
+
+def decode_rows(payload) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(table name, ids int64 [n], raw rows uint8 [n, row_bytes]) of a ROWS/UNDO payload."""
+    mv = memoryview(payload)
+    nlen, row_bytes, n = ROWS_HEAD.unpack_from(mv)
+    p = ROWS_HEAD.size
+    name = bytes(mv[p:p + nlen]).decode()
+    p += nlen
+    if len(mv) != p + 8 * n + row_bytes * n:
+        raise ValueError(f"row record of {len(mv)} bytes does not hold {n} rows of {row_bytes} bytes")
+    ids = torch.frombuffer(mv[p:p + 8 * n], dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
+    p += 8 * n
+    data = torch.frombuffer(mv[p:], dtype=torch.uint8).view(n, row_bytes) if n else torch.empty(0, row_bytes, dtype=torch.uint8)
+    return name, ids, data
+
+
+# --------------------------------------------------------------------------- the journal
+
+
+class Journal:
+    """See the module docstring. Open with ``Journal(dir, sync=..., read_only=...)``: the
+    constructor scans (and verifies the structure of) everything already there."""
+
+    def __init__(self, directory: Path, *, sync: bool = True, segment_bytes: int = 64 << 20,
+                 read_only: bool = False):
+        self.dir = Path(directory)
+        self.sync = sync
+        self.segment_bytes = segment_bytes
+        self.read_only = read_only
+        self._lock = threading.RLock()
+        self._fd: int | None = None
+        self.bytes_appended = 0       # payload + headers appended by this process
+        self.syncs = 0
+        if not read_only:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    # -- scanning
+    def _start_seq(self) -> int:
+        try:
+            return int((self.dir / "START").read_text().strip() or 0)
+        except FileNotFoundError:
+            return 0
+        except ValueError:
+            raise JournalCorruptError(f"{self.dir / 'START'} is damaged") from None
+
+    def _scan(self) -> None:
+        segs: list[_Segment] = []
+        start = self._start_seq()
+        paths = sorted(self.dir.glob("seg-*.log")) if self.dir.is_dir() else []
+        for p in paths:
+            try:
+                first = int(p.stem[4:], 16)
+            except ValueError:
+                continue
+            if first < start:
+                # Absorbed by a compaction that was interrupted after START was written: dead.
+                if not self.read_only:
+                    p.unlink()
+                continue
+            segs.append(_Segment(p, first, p.stat().st_size))
+        self.txns: list[TxnInfo] = []
+        self.tail: list[RecordRef] = []       # valid records after the newest END
+        self.tail_damage: str | None = None   # a bad record in the tail with valid records after it
+        self.torn_bytes = 0                   # bytes of the torn tail (ignored)
+        expect = start
+        if segs and segs[0].first_seq != start:
+            raise JournalCorruptError(f"journal {self.dir}: segment with sequence {start} is missing "
+                                      f"(first is {segs[0].path.name})")
+        pending: list[RecordRef] = []
+        bad: tuple[_Segment, int, str] | None = None
+        for i, seg in enumerate(segs):
+            if seg.first_seq != expect:
+                raise JournalCorruptError(f"journal {self.dir}: records {expect}..{seg.first_seq - 1} are missing "
+                                          f"(a segment before {seg.path.name} was deleted)")
+            with open(seg.path, "rb") as f:
+                head = f.read(SEG.size)
+                ok = len(head) == SEG.size and head[:8] == SEG_MAGIC and \
+                    google_crc32c.value(head[:-4]) == struct.unpack_from("<I", head, SEG.size - 4)[0] and \
+                    SEG.unpack(head)[2] == seg.first_seq
+                if not ok:
+                    if i == len(segs) - 1 and not pending and seg.size <= SEG.size:
+                        bad = (seg, 0, "segment header torn")  # created, header not yet durable
+                        break
+                    raise JournalCorruptError(f"journal segment {seg.path.name}: header damaged")
+                off = SEG.size
+                while off < seg.size:
+                    f.seek(off)
+                    h = _parse_header(f.read(REC.size))
+                    if h is None or h[1] != expect or off + REC.size + h[3] > seg.size:
+                        bad = (seg, off, "bad header" if h is None or h[1] != expect else "truncated")
+                        break
+                    rtype, seq, tag, length, pcrc = h
+                    ref = RecordRef(seg.path, off, rtype, seq, tag, length, pcrc)
+                    if rtype == RecordType.END:
+                        payload = f.read(length)
+                        if google_crc32c.value(payload) != pcrc:
+                            bad = (seg, off, "END fails its checksum")
+                            break
+                        self.txns.append(TxnInfo(tag, json.loads(payload), pending, ref))
+                        pending = []
+                    else:
+                        pending.append(ref)
+                    seg.last_seq = seq
+                    expect = seq + 1
+                    off += REC.size + length
+                seg.size = off if bad is None or bad[0] is not seg else bad[1]
+            if bad is not None:
+                if i != len(segs) - 1:
+                    # A new segment is started only after an END: damage before a durable END.
+                    raise JournalCorruptError(f"journal segment {bad[0].path.name} at byte {bad[1]}: {bad[2]} "
+                                              f"(later segments exist)")
+                break
+        if bad is not None:
+            seg, off, why = bad
+            later = self._valid_after(seg.path, off, expect)
+            if any(r.type == RecordType.END for r in later):
+                raise JournalCorruptError(f"journal segment {seg.path.name} at byte {off}: {why}, before a durable "
+                                          f"transaction end (record {later[-1].seq})")
+            if later:
+                self.tail_damage = (f"journal segment {seg.path.name} at byte {off}: {why}, with "
+                                    f"{len(later)} valid records after it")
+            self.torn_bytes = seg.path.stat().st_size - off
+        # Tail records were not vouched for by an END: check their payloads now; the first bad
+        # one ends the valid tail.
+        for k, ref in enumerate(pending):
+            if crc32c([self._pread(ref)]) != ref.crc:
+                if k + 1 < len(pending):
+                    self.tail_damage = f"journal record {ref.seq} fails its checksum, with valid records after it"
+                pending = pending[:k]
+                seg = next(s for s in segs if s.path == ref.segment)
+                self.torn_bytes += seg.size - ref.offset
+                seg.size = ref.offset
+                break
+        self.tail = pending
+        self._segs = segs
+        self.next_seq = expect if not pending else pending[-1].seq + 1
+        self._tail_clean = not self.tail and self.torn_bytes == 0
+
+    def _valid_after(self, path: Path, off: int, after_seq: int) -> list[RecordRef]:
+        """Valid record headers after a bad spot (searching for the record magic)."""
+        data = path.read_bytes()
+        out = []
+        pos = data.find(REC_MAGIC, off + 1)
+        while pos >= 0:
+            h = _parse_header(data[pos:pos + REC.size])
+            if h is not None and h[1] >= after_seq and pos + REC.size + h[3] <= len(data):
+                if google_crc32c.value(data[pos + REC.size:pos + REC.size + h[3]]) == h[4]:
+                    out.append(RecordRef(path, pos, h[0], h[1], h[2], h[3], h[4]))
+            pos = data.find(REC_MAGIC, pos + 1)
+        return out
+
+    # -- reading
+    def _pread(self, ref: RecordRef) -> bytearray:
+        buf = bytearray(ref.length)
+        fd = os.open(ref.segment, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [buf], ref.payload_offset)
+        finally:
+            os.close(fd)
+        if got != ref.length:
+            raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
+        return buf
+
+    def read(self, ref: RecordRef) -> bytearray:
+        """The payload of ``ref``, verified against its checksum."""
+        buf = self._pread(ref)
+        if crc32c([buf]) != ref.crc:
+            raise JournalCorruptError(f"journal record {ref.seq} ({RecordType(ref.type).name}) in "
+                                      f"{ref.segment.name} fails its checksum (bit flip or foreign write)")
+        return buf
+
+    @property
+    def last(self) -> TxnInfo | None:
+        return self.txns[-1] if self.txns else None
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(s.size for s in self._segs)
+
+    # -- writing
+    def truncate_tail(self) -> int:
+        """Remove everything after the newest END, durably. Returns the bytes removed. A writer
+        must do this (after using the tail, e.g. rolling back its UNDO records) before it
+        appends: otherwise the next END would seal records of an abandoned step."""
+        if self.read_only:
+            raise PoolCorruptError("journal opened read-only")
+        removed = 0
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            last = self.last
+            keep: list[_Segment] = []
+            for s in self._segs:
+                if last is not None and s.path == last.end.segment:
+                    end = last.end.payload_offset + last.end.length
+                    size = s.path.stat().st_size
+                    if size != end:
+                        removed += size - end
+                        fd = os.open(s.path, os.O_RDWR)
+                        try:
+                            os.ftruncate(fd, end)
+                            os.fdatasync(fd)
+                        finally:
+                            os.close(fd)
+                    s.size, s.last_seq = end, last.end.seq
+                    keep.append(s)
+                elif last is not None and s.first_seq <= last.end.seq:
+                    keep.append(s)
+                else:
+                    removed += s.path.stat().st_size
+                    s.path.unlink()
+            self._segs = keep
+            fsync_dir(self.dir)
+            self.tail = []
+            self.tail_damage = None
+            self.torn_bytes = 0
+            self.next_seq = last.end.seq + 1 if last is not None else self._start_seq()
+            self._tail_clean = True
+        return removed
+
+    def _current(self) -> _Segment:
+        if self._fd is not None:
+            return self._segs[-1]
+        if not self._tail_clean:
+            raise PoolCorruptError(f"journal {self.dir}: unfinished transaction after the last END; "
+                                   f"recover (or truncate_tail) before appending")
+        if not self._segs:
+            self._new_segment()
+        else:
+            self._fd = os.open(self._segs[-1].path, os.O_RDWR)
+        return self._segs[-1]
+
+    def _new_segment(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        seg = _Segment(self.dir / _seg_name(self.next_seq), self.next_seq, SEG.size)
+        fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, _seg_header(self.next_seq), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise_if_full(exc, f"creating journal segment {seg.path}")
+        self._fd = fd
+        with self._lock:
+            self._segs.append(seg)
+        if self.sync:
+            fsync_dir(self.dir)  # the segment's name is durable before any END inside it is
+
+    def append(self, rtype: int, tag: int, parts: Sequence) -> RecordRef:
+        """Append one record (not yet durable). ``parts``: buffers forming the payload."""
+        seg = self._current()
+        length = sum(memoryview(p).nbytes for p in parts)
+        pcrc = crc32c(parts)
+        head = _rec_header(int(rtype), self.next_seq, tag, length, pcrc)
+        off = seg.size
+        try:
+            _pwritev_all(self._fd, [head, *parts], off)
+        except OSError as exc:
+            raise_if_full(exc, f"appending to journal {seg.path}")
+        ref = RecordRef(seg.path, off, int(rtype), self.next_seq, tag, length, pcrc)
+        seg.size = off + REC.size + length
+        seg.last_seq = self.next_seq
+        self.next_seq += 1
+        self.bytes_appended += REC.size + length
+        self.tail.append(ref)
+        return ref
+
+    def flush(self) -> None:
+        """Make every appended record durable (``fdatasync``): the write-ahead barrier."""
+        if self._fd is not None and self.sync:
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                raise_if_full(exc, f"syncing journal {self.dir}")
+            self.syncs += 1
+
+    def end(self, tag: int, doc: dict) -> TxnInfo:
+        """Commit the records appended since the last END: sync them, then append the END
+        record and sync it. Durable when this returns."""
+        # 1. The transaction's records durable first: only then may an END vouch for them.
+        self.flush()
+        payload = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        records = list(self.tail)
+        ref = self.append(RecordType.END, tag, [payload])
+        # 2. The END durable: from here on the transaction survives any crash.
+        self.flush()
+        txn = TxnInfo(tag, doc, records, ref)
+        with self._lock:
+            self.txns.append(txn)
+            self.tail = []
+            if len(self.txns) > 4096:
+                del self.txns[:-1024]  # bookkeeping only; reclaim() looks at segments
+        if self._segs[-1].size >= self.segment_bytes:
+            self._new_segment()  # start a new segment only right after an END (see _scan)
+        return txn
+
+    def rotate(self) -> None:
+        """Start a new segment (after an END), so that everything before it can be reclaimed."""
+        with self._lock:
+            if self._fd is not None and self._segs and self._segs[-1].last_seq >= 0 and not self.tail:
+                self._new_segment()
+
+    def reclaim(self, before_seq: int, absorb: Callable[[list[RecordRef]], None] | None = None) -> int:
+        """Drop segments all of whose records have a sequence number below ``before_seq`` (never
+        the one being appended to). ``absorb(records)`` first writes what they hold back to
+        where it belongs and makes it durable (the pool's compactor). Returns bytes dropped."""
+        with self._lock:
+            done = [s for s in self._segs[:-1] if s.last_seq < before_seq]
+        if not done:
+            return 0
+        if absorb is not None:
+            refs: list[RecordRef] = []
+            for s in done:
+                refs.extend(t for t in _iter_refs(s))
+            absorb(refs)
+        new_start = done[-1].last_seq + 1
+        # START first, durably: a crash after it leaves dead segments that the next scan drops;
+        # the other order could leave a gap at the front that looked like a missing segment.
+        atomic_write(self.dir / "START", f"{new_start}\n".encode(), durable=self.sync)
+        dropped = 0
+        with self._lock:
+            for s in done:
+                dropped += s.size
+                s.path.unlink()
+            self._segs = self._segs[len(done):]
+            self.txns = [t for t in self.txns if t.end.seq >= new_start]
+        if self.sync:
+            fsync_dir(self.dir)
+        return dropped
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _iter_refs(seg: _Segment) -> Iterable[RecordRef]:
+    """Every record of a sealed segment (headers verified again)."""
+    with open(seg.path, "rb") as f:
+        off = SEG.size
+        while off < seg.size:
+            f.seek(off)
+            h = _parse_header(f.read(REC.size))
+            if h is None:
+                raise JournalCorruptError(f"journal segment {seg.path.name} at byte {off}: bad header")
+            yield RecordRef(seg.path, off, h[0], h[1], h[2], h[3], h[4])
+            off += REC.size + h[3]
+
+
+def _pwritev_all(fd: int, parts: list, off: int) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.pwritev(fd, views[:1024], off)
+        off += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

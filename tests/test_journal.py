@@ -1,0 +1,580 @@
+"""The persistence journal (``memory_pool.journal``) on real files: records and transactions,
+segments and their sequence numbers, reclaiming, the torn tail of an unfinished transaction
+(ignored, truncated) versus damage before the newest ``END`` (refused, nothing changed), and
+the pool's use of it (replay at open, compaction) including a SIGKILL in the middle of both."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from memory_pool import MemoryPool, PoolCorruptError
+from memory_pool.journal import (REC, SEG, Journal, JournalCorruptError, RecordType, decode_rows,
+                                 encode_rows)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def payload(seq: int, n: int = 100) -> bytes:
+    """A payload that differs for every record (so that a mix-up shows)."""
+    return bytes((seq * 31 + k * 7) % 256 for k in range(n))
+
+
+def write_txns(d: Path, n_txns: int, per_txn: int = 2, *, segment_bytes: int = 64 << 20, n: int = 100,
+               j: Journal | None = None) -> Journal:
+    """``n_txns`` committed transactions of ``per_txn`` UNDO records each, tags 0.., END docs
+    ``{"step": tag}``. Returns the (open) journal."""
+    j = j or Journal(d, segment_bytes=segment_bytes)
+    first = len(j.txns) and j.txns[-1].tag + 1
+    for tag in range(first, first + n_txns):
+        for _ in range(per_txn):
+            j.append(RecordType.UNDO, tag, [payload(j.next_seq, n)])
+        j.end(tag, {"step": tag, "kind": "commit"})
+    return j
+
+
+def segments(d: Path) -> list[Path]:
+    return sorted(d.glob("seg-*.log"))
+
+
+def files(d: Path) -> dict[str, str]:
+    """sha256 of every file of a directory (names included: a deleted file shows)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def flip(path: Path, offset: int, mask: int = 0x10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def reopen(d: Path, **kw) -> Journal:
+    j = Journal(d, **kw)
+    j.close()
+    return j
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_committed_transactions_round_trip_with_tags_docs_and_payloads(tmp_path):
+    j = write_txns(tmp_path, 3, per_txn=2)
+    j.append(RecordType.DENSE, 3, [b"head", memoryview(payload(99, 40))])  # parts are concatenated
+    j.end(3, {"step": 3, "kind": "commit", "nested": {"a": [1, 2]}})
+    j.close()
+
+    back = Journal(tmp_path)
+    assert [t.tag for t in back.txns] == [0, 1, 2, 3]
+    assert [t.doc["step"] for t in back.txns] == [0, 1, 2, 3]
+    assert back.txns[3].doc["nested"] == {"a": [1, 2]}
+    assert back.tail == [] and back.torn_bytes == 0 and back.tail_damage is None
+    for t in back.txns[:3]:
+        assert [r.type for r in t.records] == [RecordType.UNDO, RecordType.UNDO]
+        assert all(r.tag == t.tag for r in t.records) and t.end.type == RecordType.END and t.end.tag == t.tag
+        assert [bytes(back.read(r)) for r in t.records] == [payload(r.seq) for r in t.records]
+        assert t.first_seq == t.records[0].seq
+    (dense,) = back.txns[3].records
+    assert dense.type == RecordType.DENSE and bytes(back.read(dense)) == b"head" + payload(99, 40)
+    # sequence numbers: consecutive from 0, END records included
+    seqs = [r.seq for t in back.txns for r in (*t.records, t.end)]
+    assert seqs == list(range(len(seqs))) and back.next_seq == len(seqs)
+    # appending continues the sequence, in the same segment
+    write_txns(tmp_path, 1, j=back)
+    back.close()
+    again = reopen(tmp_path)
+    assert [t.tag for t in again.txns] == [0, 1, 2, 3, 4] and again.txns[-1].end.seq == len(seqs) + 2
+    assert len(segments(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_row_payloads_round_trip_through_a_journal(tmp_path, dtype):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([9, 0, 4], dtype=torch.int32)  # any int dtype in, int64 out
+    rows = torch.randn(3, 5, generator=g).to(dtype)
+    with_empty = [("emb.t", ids, rows), ("emb.t.adagrad", torch.empty(0, dtype=torch.int64), torch.empty(0, 1))]
+    j = Journal(tmp_path)
+    for name, i, r in with_empty:
+        j.append(RecordType.ROWS, 7, encode_rows(name, i, r))
+    j.end(7, {})
+    j.close()
+    back = reopen(tmp_path)
+    (txn,) = back.txns
+    name, got_ids, raw = decode_rows(back.read(txn.records[0]))
+    assert name == "emb.t" and got_ids.dtype == torch.int64 and got_ids.tolist() == [9, 0, 4]
+    assert raw.dtype == torch.uint8 and raw.shape == (3, 5 * rows.element_size())
+    assert torch.equal(raw.view(dtype), rows)
+    name, got_ids, raw = decode_rows(back.read(txn.records[1]))
+    assert name == "emb.t.adagrad" and got_ids.numel() == 0 and raw.shape == (0, 4)
+    with pytest.raises(ValueError, match="does not hold"):
+        decode_rows(bytes(back.read(txn.records[0]))[:-1])
+
+
+def test_segments_rotate_after_an_end_and_keep_sequence_numbers_continuous(tmp_path):
+    j = write_txns(tmp_path, 6, per_txn=3, segment_bytes=600)  # ~ 3 x 140 + END per transaction
+    j.close()
+    segs = segments(tmp_path)
+    assert len(segs) >= 3
+    back = reopen(tmp_path, segment_bytes=600)
+    assert [t.tag for t in back.txns] == list(range(6))
+    refs = [r for t in back.txns for r in (*t.records, t.end)]
+    assert [r.seq for r in refs] == list(range(len(refs)))
+    # each segment is named after its first record's seq, which follows the previous segment's last
+    by_seg: dict[Path, list[int]] = {}
+    for r in refs:
+        by_seg.setdefault(r.segment, []).append(r.seq)
+    # (end() starts the next segment right away once one is full: it may hold only its header)
+    empty = [p for p in segs if p not in by_seg]
+    assert sorted(by_seg) + empty == segs and all(p.stat().st_size == SEG.size for p in empty)
+    assert all(int(p.stem[4:], 16) == back.next_seq for p in empty)
+    for p in sorted(by_seg):
+        assert int(p.stem[4:], 16) == by_seg[p][0]
+        assert by_seg[p] == list(range(by_seg[p][0], by_seg[p][-1] + 1))
+    # a segment ends with an END: a transaction never spans two segments
+    for p in by_seg:
+        last = max(by_seg[p])
+        assert next(r for r in refs if r.seq == last).type == RecordType.END
+    assert all(bytes(back.read(r)) == payload(r.seq) for t in back.txns for r in t.records)
+
+
+def test_reclaim_drops_old_segments_after_absorbing_them_and_writes_start(tmp_path):
+    j = write_txns(tmp_path, 6, per_txn=3, segment_bytes=600)
+    segs = segments(tmp_path)
+    assert len(segs) >= 3
+    keep_from = j.txns[3].first_seq          # the oldest transaction still needed
+    in_seg = {s: [r.seq for t in j.txns for r in (*t.records, t.end) if r.segment == s] for s in segs}
+    whole = [s for s in segs if in_seg[s] and max(in_seg[s]) < keep_from]
+    assert whole, "the test needs a segment entirely before the kept transaction"
+    seen = []
+    live0 = j.live_bytes
+    dropped = j.reclaim(keep_from, absorb=lambda refs: seen.extend(refs))
+    # absorb saw every record of the dropped segments (END records included), in order
+    assert [r.seq for r in seen] == list(range(len(seen))) and seen[-1].type == RecordType.END
+    assert {r.segment for r in seen} == set(whole)
+    assert all(bytes(j.read(r)) == payload(r.seq) for r in seen if r.type == RecordType.UNDO)  # before unlink
+    # ... then they were deleted, and START names the first live record
+    assert dropped == live0 - j.live_bytes > 0
+    assert [p for p in segments(tmp_path)] == [s for s in segs if s not in whole]
+    start = int((tmp_path / "START").read_text())
+    assert start == seen[-1].seq + 1 == int(segments(tmp_path)[0].stem[4:], 16)
+    assert all(t.end.seq >= start for t in j.txns)
+    # the segment being appended to is never dropped, even when everything precedes the bound
+    j.reclaim(j.next_seq)
+    assert segments(tmp_path) and segments(tmp_path)[-1] == j._segs[-1].path
+    # appending after a reclaim continues the sequence; a reopen sees exactly the live part
+    write_txns(tmp_path, 1, j=j)
+    j.close()
+    back = reopen(tmp_path)
+    assert back.txns[-1].tag == 6 and back.txns[0].first_seq == int((tmp_path / "START").read_text())
+    refs = [r for t in back.txns for r in (*t.records, t.end)]
+    assert [r.seq for r in refs] == list(range(refs[0].seq, refs[0].seq + len(refs)))
+    assert all(bytes(back.read(r)) == payload(r.seq) for t in back.txns for r in t.records)
+
+
+def test_segments_left_behind_by_a_reclaim_killed_after_start_are_dropped_at_open(tmp_path):
+    """reclaim writes START before it unlinks: a crash in between leaves dead segments that the
+    next writable open removes (a read-only open only skips them)."""
+    j = write_txns(tmp_path, 6, per_txn=3, segment_bytes=600)
+    j.close()
+    segs = segments(tmp_path)
+    live_from = int(segs[2].stem[4:], 16)
+    (tmp_path / "START").write_text(f"{live_from}\n")  # what reclaim had done when it died
+    ro = Journal(tmp_path, read_only=True)
+    assert ro.txns[0].first_seq == live_from and segments(tmp_path) == segs
+    back = reopen(tmp_path)
+    assert segments(tmp_path) == segs[2:]
+    assert back.txns[0].first_seq == live_from and back.txns[-1].tag == 5
+
+
+# --------------------------------------------------------------------------- the torn tail
+
+
+def test_unended_records_after_the_last_end_are_a_tail_not_a_transaction(tmp_path):
+    j = write_txns(tmp_path, 2)
+    end = j.txns[-1].end
+    tail = [j.append(RecordType.UNDO, 2, [payload(j.next_seq)]) for _ in range(3)]
+    j.flush()
+    j.close()
+    (seg,) = segments(tmp_path)
+    size = seg.stat().st_size
+    back = reopen(tmp_path)
+    assert [t.tag for t in back.txns] == [0, 1]
+    assert [r.seq for r in back.tail] == [r.seq for r in tail] and back.torn_bytes == 0
+    assert back.tail_damage is None and back.next_seq == tail[-1].seq + 1
+    assert bytes(back.read(back.tail[1])) == payload(tail[1].seq)  # the tail is readable (undo records)
+    # a writer must drop the tail before it appends: otherwise the next END would seal it
+    w = Journal(tmp_path)
+    with pytest.raises(PoolCorruptError, match="unfinished transaction"):
+        w.append(RecordType.UNDO, 3, [b"x"])
+    assert seg.stat().st_size == size
+    removed = w.truncate_tail()
+    assert removed == size - (end.payload_offset + end.length) == 3 * (REC.size + 100)
+    assert seg.stat().st_size == end.payload_offset + end.length
+    assert w.tail == [] and w.next_seq == end.seq + 1
+    write_txns(tmp_path, 1, j=w)
+    w.close()
+    back = reopen(tmp_path)
+    assert [t.tag for t in back.txns] == [0, 1, 2] and back.txns[2].first_seq == end.seq + 1
+    assert back.tail == [] and back.torn_bytes == 0
+
+
+@pytest.mark.parametrize("how", ["cut-in-payload", "cut-in-header", "zeros-appended", "garbage-appended",
+                                 "payload-never-written"])
+def test_a_partially_written_last_record_is_a_torn_tail_that_truncate_tail_removes(tmp_path, how):
+    j = write_txns(tmp_path, 2)
+    end = j.txns[-1].end
+    committed_end = end.payload_offset + end.length
+    first = j.append(RecordType.UNDO, 2, [payload(j.next_seq)])
+    last = j.append(RecordType.UNDO, 2, [payload(j.next_seq)])
+    j.flush()
+    j.close()
+    (seg,) = segments(tmp_path)
+    size = seg.stat().st_size
+    if how == "cut-in-payload":
+        os.truncate(seg, last.payload_offset + 37)
+        want_tail, torn = [first.seq], 37 + REC.size
+    elif how == "cut-in-header":
+        os.truncate(seg, last.offset + 11)
+        want_tail, torn = [first.seq], 11
+    elif how in ("zeros-appended", "garbage-appended"):
+        junk = b"\0" * 300 if how == "zeros-appended" else bytes(range(256)) + b"DCXR" + b"\xff" * 44
+        with open(seg, "ab") as f:
+            f.write(junk)
+        want_tail, torn = [first.seq, last.seq], len(junk)
+    else:  # its header reached the disk, its payload did not (pages land in any order)
+        with open(seg, "r+b") as f:
+            f.seek(last.payload_offset)
+            f.write(b"\0" * last.length)
+        want_tail, torn = [first.seq], REC.size + last.length
+    now = seg.stat().st_size
+    back = reopen(tmp_path)
+    assert [t.tag for t in back.txns] == [0, 1]
+    assert all(bytes(back.read(r)) == payload(r.seq) for t in back.txns for r in t.records)
+    assert [r.seq for r in back.tail] == want_tail and back.torn_bytes == torn and back.tail_damage is None
+    w = Journal(tmp_path)
+    assert w.truncate_tail() == now - committed_end
+    assert seg.stat().st_size == committed_end < size
+    w.close()
+    w = Journal(tmp_path)
+    assert w.tail == [] and w.torn_bytes == 0 and w.next_seq == end.seq + 1
+    write_txns(tmp_path, 1, j=w)
+    w.close()
+    back = reopen(tmp_path)
+    assert [t.tag for t in back.txns] == [0, 1, 2] and back.torn_bytes == 0
+    assert all(bytes(back.read(r)) == payload(r.seq) for t in back.txns for r in t.records)
+
+
+def test_a_torn_tail_in_a_new_segment_is_truncated_away_with_the_segment(tmp_path):
+    """A segment is started right after an END; a tail there (even a segment whose header never
+    became durable) belongs to the unfinished transaction."""
+    j = write_txns(tmp_path, 2, segment_bytes=200)
+    segs = segments(tmp_path)
+    assert segs[-1].stat().st_size == SEG.size  # the segment started after the last END
+    ref = j.append(RecordType.UNDO, 2, [payload(j.next_seq)])
+    j.close()
+    assert segments(tmp_path) == segs and ref.segment == segs[-1]
+    os.truncate(segs[-1], SEG.size // 2)  # the new segment's header torn
+    back = reopen(tmp_path)
+    assert [t.tag for t in back.txns] == [0, 1] and back.tail == [] and back.torn_bytes == SEG.size // 2
+    w = Journal(tmp_path, segment_bytes=200)
+    w.truncate_tail()
+    assert segments(tmp_path) == segs[:-1]
+    write_txns(tmp_path, 1, j=w)
+    w.close()
+    assert [t.tag for t in reopen(tmp_path).txns] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_bad_record_in_the_tail_with_valid_records_after_it_sets_tail_damage(tmp_path, where):
+    j = write_txns(tmp_path, 2)
+    tail = [j.append(RecordType.UNDO, 2, [payload(j.next_seq)]) for _ in range(3)]
+    j.flush()
+    j.close()
+    (seg,) = segments(tmp_path)
+    flip(seg, tail[0].payload_offset + 50 if where == "payload" else tail[0].offset + 12)
+    before = files(tmp_path)
+    back = reopen(tmp_path)
+    assert back.tail_damage and ("checksum" in back.tail_damage or "valid records after it" in back.tail_damage)
+    assert back.tail == []  # the valid tail ends at the bad record
+    assert [t.tag for t in back.txns] == [0, 1]
+    assert files(tmp_path) == before
+    # a bad record that is the *last* one is just a torn tail
+    j2 = tmp_path / "j2"
+    j = write_txns(j2, 2)
+    tail = [j.append(RecordType.UNDO, 2, [payload(j.next_seq)]) for _ in range(3)]
+    j.close()
+    flip(segments(j2)[0], tail[-1].payload_offset + 50 if where == "payload" else tail[-1].offset + 12)
+    back = reopen(j2)
+    assert back.tail_damage is None and [r.seq for r in back.tail] == [r.seq for r in tail[:2]]
+
+
+# --------------------------------------------------------------------------- damage before the tail
+
+
+def _refuses(d: Path, match: str | None = None, **kw) -> JournalCorruptError:
+    before = files(d)
+    for read_only in (True, False):
+        with pytest.raises(JournalCorruptError, match=match) as e:
+            Journal(d, read_only=read_only, **kw)
+        assert files(d) == before, "a refused open changed the journal"
+    err = e.value
+    assert isinstance(err, PoolCorruptError) and err.exit_code == 4
+    return err
+
+
+def test_a_bit_flip_in_a_committed_payload_is_refused_when_read(tmp_path):
+    j = write_txns(tmp_path, 3)
+    j.close()
+    victim = j.txns[1].records[1]
+    flip(victim.segment, victim.payload_offset + 17)
+    before = files(tmp_path)
+    back = reopen(tmp_path)  # opening checks structure, not every committed payload
+    assert [t.tag for t in back.txns] == [0, 1, 2]
+    with pytest.raises(JournalCorruptError, match=f"record {victim.seq}.*checksum") as e:
+        back.read(back.txns[1].records[1])
+    assert isinstance(e.value, PoolCorruptError) and e.value.exit_code == 4
+    assert bytes(back.read(back.txns[1].records[0])) == payload(back.txns[1].records[0].seq)
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("which", ["record", "end"])
+def test_a_bit_flip_in_a_record_header_before_the_last_end_is_refused_at_open(tmp_path, which):
+    j = write_txns(tmp_path, 3)
+    j.close()
+    victim = j.txns[1].records[0] if which == "record" else j.txns[0].end
+    flip(victim.segment, victim.offset + 16, 0x01)  # a bit of its seq/tag field
+    _refuses(tmp_path, "before a durable transaction end")
+
+
+def test_a_bit_flip_in_a_header_in_an_older_segment_is_refused_at_open(tmp_path):
+    j = write_txns(tmp_path, 4, segment_bytes=300)
+    j.close()
+    assert len(segments(tmp_path)) >= 3
+    victim = j.txns[0].records[1]
+    flip(victim.segment, victim.offset + 5)  # the record type
+    _refuses(tmp_path, "later segments exist")
+
+
+def test_a_bit_flip_in_a_segment_header_is_refused(tmp_path):
+    write_txns(tmp_path, 4, segment_bytes=300).close()
+    flip(segments(tmp_path)[1], 12)
+    _refuses(tmp_path, "header damaged")
+
+
+def test_a_truncated_segment_that_is_not_the_last_is_refused(tmp_path):
+    write_txns(tmp_path, 4, segment_bytes=300).close()
+    segs = segments(tmp_path)
+    os.truncate(segs[1], segs[1].stat().st_size - 30)
+    _refuses(tmp_path, segs[1].name)
+
+
+def test_a_deleted_middle_segment_is_a_gap_naming_the_missing_records(tmp_path):
+    write_txns(tmp_path, 4, segment_bytes=300).close()
+    segs = segments(tmp_path)
+    first, after = int(segs[1].stem[4:], 16), int(segs[2].stem[4:], 16)
+    segs[1].unlink()
+    _refuses(tmp_path, rf"records {first}\.\.{after - 1} are missing")
+
+
+def test_a_deleted_first_segment_is_refused_with_or_without_start(tmp_path):
+    write_txns(tmp_path, 4, segment_bytes=300).close()
+    segs = segments(tmp_path)
+    segs[0].unlink()  # no START: the journal starts at 0
+    _refuses(tmp_path, "segment with sequence 0 is missing")
+
+    d = tmp_path / "with-start"
+    j = write_txns(d, 6, segment_bytes=300)
+    j.reclaim(j.txns[3].first_seq)
+    j.close()
+    start = int((d / "START").read_text())
+    assert start > 0
+    segments(d)[0].unlink()
+    _refuses(d, f"segment with sequence {start} is missing")
+
+
+def test_a_damaged_start_file_is_refused(tmp_path):
+    j = write_txns(tmp_path, 6, segment_bytes=300)
+    j.reclaim(j.txns[3].first_seq)
+    j.close()
+    (tmp_path / "START").write_text("12x\n")
+    _refuses(tmp_path, "START")
+
+
+# --------------------------------------------------------------------------- through the pool
+
+
+ROWS, DIM = 64, 8
+
+
+def _pool_rows(path) -> dict[str, torch.Tensor]:
+    with MemoryPool.open(path) as pool:
+        return {n: pool.table(n).read(torch.arange(pool.table(n).num_embeddings)) for n in pool.tables()}
+
+
+def _journal_bytes(pool_dir: Path) -> int:
+    return sum(p.stat().st_size for p in (pool_dir / "journal").glob("seg-*.log"))
+
+
+def test_journal_replay_at_open_is_idempotent_and_compaction_keeps_the_contents(tmp_pool_dir):
+    g = torch.Generator().manual_seed(5)
+    with MemoryPool.create(tmp_pool_dir, tier="power-sim") as pool:
+        a = pool.create_table("a", ROWS, DIM, init="zeros")
+        b = pool.create_table("b", ROWS, 1, init="zeros")
+        for r in range(3):
+            ids = torch.randperm(ROWS, generator=g)[:20]
+            a.write(ids, torch.randn(20, DIM, generator=g))
+            b.write(ids, torch.full((20, 1), float(r + 1)))
+            pool.persist()
+        want = {"a": a.read(torch.arange(ROWS)), "b": b.read(torch.arange(ROWS))}
+        a.write([1, 2], torch.full((2, DIM), 99.0))  # not persisted: not in the journal
+    image = (tmp_pool_dir / "tables" / "a.bin").read_bytes()
+    assert torch.equal(torch.frombuffer(bytearray(image), dtype=torch.float32), torch.zeros(ROWS * DIM))
+
+    first, second = _pool_rows(tmp_pool_dir), _pool_rows(tmp_pool_dir)  # replayed twice
+    for n in want:
+        assert torch.equal(first[n], want[n]) and torch.equal(second[n], want[n]), n
+    with MemoryPool.open(tmp_pool_dir, read_only=True) as ro:  # a reader replays privately
+        assert torch.equal(ro.table("a").read(torch.arange(ROWS)), want["a"])
+
+    # compaction in a writing session: the journal is written back and dropped, contents kept
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        pool.table("b").write([0], torch.full((1, 1), 7.0))
+        pool.persist()
+        journal = _journal_bytes(tmp_pool_dir)
+        pool.compact()
+    want["b"][0] = 7.0
+    assert _journal_bytes(tmp_pool_dir) < journal
+    image = torch.frombuffer(bytearray((tmp_pool_dir / "tables" / "a.bin").read_bytes()), dtype=torch.float32)
+    assert torch.equal(image.view(ROWS, DIM), want["a"])  # written back into the image
+    for _ in range(2):
+        after = _pool_rows(tmp_pool_dir)
+        for n in want:
+            assert torch.equal(after[n], want[n]), n
+
+
+def test_compact_right_after_open_writes_the_journal_back_and_drops_it(tmp_pool_dir):
+    """``compact()`` (no bound) compacts every complete segment; after a reopen every segment is
+    complete, so the journal must shrink even though nothing was appended in this session."""
+    g = torch.Generator().manual_seed(5)
+    with MemoryPool.create(tmp_pool_dir, tier="power-sim") as pool:
+        a = pool.create_table("a", ROWS, DIM, init="zeros")
+        for _ in range(3):
+            a.write(torch.arange(ROWS), torch.randn(ROWS, DIM, generator=g))
+            pool.persist()
+        want = a.read(torch.arange(ROWS))
+    journal = _journal_bytes(tmp_pool_dir)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        pool.compact()
+    assert _journal_bytes(tmp_pool_dir) < journal
+    image = torch.frombuffer(bytearray((tmp_pool_dir / "tables" / "a.bin").read_bytes()), dtype=torch.float32)
+    assert torch.equal(image.view(ROWS, DIM), want)
+    assert torch.equal(_pool_rows(tmp_pool_dir)["a"], want)
+
+
+def test_compaction_in_the_writing_session_shrinks_the_journal(tmp_pool_dir):
+    g = torch.Generator().manual_seed(6)
+    with MemoryPool.create(tmp_pool_dir, tier="power-sim") as pool:
+        a = pool.create_table("a", ROWS, DIM, init="zeros")
+        for _ in range(4):
+            a.write(torch.arange(ROWS), torch.randn(ROWS, DIM, generator=g))
+            pool.persist()
+        want = a.read(torch.arange(ROWS))
+        grown = _journal_bytes(tmp_pool_dir)
+        assert grown > 4 * ROWS * DIM * 4
+        pool.compact()
+        assert _journal_bytes(tmp_pool_dir) < grown // 4
+        assert pool.stats.bytes_compacted > 0 and pool.stats.bytes_written_back > 0
+    assert torch.equal(_pool_rows(tmp_pool_dir)["a"], want)
+
+
+CHILD_POOL = r"""
+import os, sys, torch
+from memory_pool import MemoryPool
+path, phase = sys.argv[1], sys.argv[2]
+
+def die_after(cls, name, n=1):
+    orig = getattr(cls, name)
+    calls = [0]
+    def wrapper(*a, **kw):
+        out = orig(*a, **kw)
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), 9)
+        return out
+    setattr(cls, name, wrapper)
+
+g = torch.Generator().manual_seed(7)
+if phase == "replay":
+    from memory_pool.tiers import FileRegion
+    die_after(FileRegion, "write_back")  # one table replayed onto its image, the next not
+    MemoryPool.open(path)
+    raise SystemExit("not killed")
+with MemoryPool.open(path) as pool:
+    a, b = pool.table("a"), pool.table("b")
+    for r in range(3):  # more transactions in this session, so that compact() has work to do
+        ids = torch.randperm(a.num_embeddings, generator=g)[:30]
+        a.write(ids, torch.randn(30, a.embedding_dim, generator=g))
+        b.write(ids, torch.full((30, 1), 10.0 + r))
+        pool.persist()
+    torch.save({"a": a.read(torch.arange(a.num_embeddings)), "b": b.read(torch.arange(b.num_embeddings))},
+               sys.argv[3])
+    a.write([0], torch.full((1, a.embedding_dim), -5.0))  # never persisted: lost with the process
+    if phase == "write-back":
+        from memory_pool.tiers import FileRegion
+        die_after(FileRegion, "write_back")
+    elif phase == "sync":
+        from memory_pool.tiers import FileRegion
+        die_after(FileRegion, "sync")
+    elif phase == "start-written":
+        import memory_pool.journal as J
+        orig = J.atomic_write
+        def aw(path, data, **kw):
+            orig(path, data, **kw)
+            if path.name == "START":
+                os.kill(os.getpid(), 9)
+        J.atomic_write = aw
+    pool.compact()
+raise SystemExit("not killed")
+"""
+
+
+@pytest.mark.parametrize("phase", ["replay", "write-back", "sync", "start-written"])
+def test_sigkill_during_replay_or_compaction_recovers_the_persisted_contents(tmp_path, tmp_pool_dir, run_py,
+                                                                             phase):
+    g = torch.Generator().manual_seed(5)
+    with MemoryPool.create(tmp_pool_dir, tier="power-sim") as pool:
+        a = pool.create_table("a", ROWS, DIM, init="zeros")
+        b = pool.create_table("b", ROWS, 1, init="zeros")
+        for r in range(3):
+            ids = torch.randperm(ROWS, generator=g)[:20]
+            a.write(ids, torch.randn(20, DIM, generator=g))
+            b.write(ids, torch.full((20, 1), float(r + 1)))
+            pool.persist()
+        want = {"a": a.read(torch.arange(ROWS)), "b": b.read(torch.arange(ROWS))}
+    saved = tmp_path / "want.pt"
+    proc = run_py(CHILD_POOL, tmp_pool_dir, phase, saved, check=False)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-3000:])
+    if phase != "replay":
+        want = torch.load(saved)  # what the child had persisted before it was killed
+    got = _pool_rows(tmp_pool_dir)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    again = _pool_rows(tmp_pool_dir)  # and stays so (idempotent)
+    for n in want:
+        assert torch.equal(again[n], want[n]), n
+    # the pool still works: compact, reopen, same contents
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        pool.table("b").write([3], torch.full((1, 1), 42.0))
+        pool.persist()
+        pool.compact()
+    want["b"][3] = 42.0
+    final = _pool_rows(tmp_pool_dir)
+    for n in want:
+        assert torch.equal(final[n], want[n]), n
