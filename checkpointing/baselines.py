@@ -48,7 +48,7 @@ from typing import Callable, Iterable
 import torch
 
 from memory_pool import MemoryPool
-from memory_pool._fs import atomic_write
+from memory_pool.durable import atomic_write
 
 from .base import Checkpointer, CheckpointStats, Touched
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from memory_pool import MemoryPool, PoolFormatError
-from memory_pool._fs import atomic_write
+from memory_pool.durable import atomic_write, json_crc
 from memory_pool.errors import PoolCorruptError, RecoveryError
 
 from .digest import combine_digests
@@ -36,7 +35,7 @@ def is_job(path) -> bool:
 
 
 def _job_crc(body: dict) -> int:
-    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json_crc(body)
 
 
 def write_job_file(path, job: dict) -> None:

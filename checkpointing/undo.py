@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 
 from memory_pool import MemoryPool
-from memory_pool._fs import atomic_write, fsync_dir
+from memory_pool.durable import atomic_write, fsync_dir
 from memory_pool.journal import RecordType, encode_rows
 
 from .base import Checkpointer, CheckpointStats, Touched
@@ -144,7 +144,7 @@ class UndoLogCheckpointer(Checkpointer):
         if self.log_undo:
             # A copy of the rows' current values: the step's before-images. The only logging
             # work on the trainer's thread; the writer thread appends and syncs them.
-            cur.before = [t.view().index_select(0, rows) for t, rows in cur.touched]
+            cur.before = self.pool.gather_rows(cur.touched)
             cur.undo = self._writer.submit(self._write_undo, cur.k, [(t.name, r) for t, r in cur.touched], cur.before)
         else:
             self.hit("mid-log")
@@ -225,7 +225,7 @@ class UndoLogCheckpointer(Checkpointer):
         rows = None
         if self.log_rows and cur is not None and cur.touched:
             # After-images now, on this thread: step k+1 may change them as soon as we return.
-            rows = [(t.name, r, t.view().index_select(0, r)) for t, r in cur.touched]
+            rows = [(t.name, r, a) for (t, r), a in zip(cur.touched, self.pool.gather_rows(cur.touched))]
         dense = self._packer.pack(self.dense_state(step)) if due else None
         self._submit(step, rows, dense, wait=final or crash_here)
         self._release()

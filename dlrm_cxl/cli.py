@@ -436,7 +436,7 @@ def _cmd_eval(args) -> int:
 def _cmd_export(args) -> int:
     import torch
 
-    from memory_pool._fs import atomic_write
+    from memory_pool.durable import atomic_write
 
     pool, cfg, model = _open_model(args.pool)
     try:

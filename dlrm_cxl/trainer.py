@@ -280,7 +280,8 @@ class Trainer:
         ckpt_cls = UndoLogCheckpointer if o.checkpoint == "undo" else NoCheckpointer
         extra = {"coordinator": self.dist} if self.dist is not None and o.checkpoint == "undo" else {}
         self.dense_every = o.dense_every or default_dense_every(self.pool)
-        self.ckpt = ckpt_cls(self.pool, self._dense_state, dense_every=self.dense_every, crash=self.crash, **extra)
+        self.ckpt = ckpt_cls(self.pool, self._live_dense_state, dense_every=self.dense_every, crash=self.crash,
+                             **extra)
         if created:
             self.step = 0
             self._positions[0] = None
@@ -294,8 +295,12 @@ class Trainer:
             self._load_dense(state)
 
     # -- dense state
-    def _dense_state(self, step: int) -> dict:
-        return capture_dense_state(step, self.model, self.dense_opt, self._positions.get(step))
+    def _dense_state(self, step: int, *, copy: bool = True) -> dict:
+        return capture_dense_state(step, self.model, self.dense_opt, self._positions.get(step), copy=copy)
+
+    def _live_dense_state(self, step: int) -> dict:
+        # For the checkpointer, which packs (copies) the tensors into its buffer at once.
+        return self._dense_state(step, copy=False)
 
     def _load_dense(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -522,13 +527,14 @@ def _with_device_bytes(d: dict, device_bytes: int, steps: int) -> dict:
 
 
 def capture_dense_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        data_position: dict | None) -> dict:
-    """Everything but the tables that a resume at ``step`` needs, copied (to CPU) now: dense
-    parameters, dense optimizer state, data position and RNG states. The dense snapshot."""
+                        data_position: dict | None, *, copy: bool = True) -> dict:
+    """Everything but the tables that a resume at ``step`` needs: dense parameters, dense
+    optimizer state, data position and RNG states. The dense snapshot. ``copy``: tensors are
+    copies (to CPU), else the live tensors (for a caller that copies them at once)."""
     return {
         "step": step,
-        "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-        "optimizer": _clone_tree(optimizer.state_dict()),
+        "model": {k: v.detach().to("cpu", copy=copy) for k, v in model.state_dict().items()},
+        "optimizer": _clone_tree(optimizer.state_dict()) if copy else optimizer.state_dict(),
         "data_position": data_position,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
     }

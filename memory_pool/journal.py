@@ -48,7 +48,7 @@ import json
 import os
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -56,7 +56,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from ._fs import atomic_write, fsync_dir, raise_if_full
+from .durable import atomic_write, fsync_dir, raise_if_full
 from .errors import PoolCorruptError
 
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "encode_rows",

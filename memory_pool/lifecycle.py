@@ -27,11 +27,10 @@ import json
 import os
 import shutil
 import stat
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._fs import atomic_write
+from .durable import atomic_write, json_crc
 from .tiers import shm_root
 
 __all__ = ["RegionInfo", "record_owner", "find_regions", "gc", "region_bytes", "OWNER_FILE", "REGION_PREFIX"]
@@ -64,7 +63,7 @@ class RegionInfo:
 
 
 def _crc(body: dict) -> int:
-    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json_crc(body)
 
 
 def record_owner(region_dir: Path, pool_dir: Path, pool_id: str) -> None:

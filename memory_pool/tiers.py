@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ._fs import raise_if_full
+from .durable import raise_if_full
 from ._native import libpmem
 from .arena import Arena
 from .errors import InvalidConfigError, PoolCorruptError, PoolFullError

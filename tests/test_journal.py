@@ -27,11 +27,12 @@ def payload(seq: int, n: int = 100) -> bytes:
 
 
 def write_txns(d: Path, n_txns: int, per_txn: int = 2, *, segment_bytes: int = 64 << 20, n: int = 100,
-               j: Journal | None = None) -> Journal:
+               j: Journal | None = None, first: int | None = None) -> Journal:
     """``n_txns`` committed transactions of ``per_txn`` UNDO records each, tags 0.., END docs
     ``{"step": tag}``. Returns the (open) journal."""
     j = j or Journal(d, segment_bytes=segment_bytes)
-    first = len(j.txns) and j.txns[-1].tag + 1
+    if first is None:
+        first = j.txns[-1].tag + 1 if j.txns else 0
     for tag in range(first, first + n_txns):
         for _ in range(per_txn):
             j.append(RecordType.UNDO, tag, [payload(j.next_seq, n)])
@@ -152,13 +153,19 @@ def test_reclaim_drops_old_segments_after_absorbing_them_and_writes_start(tmp_pa
     in_seg = {s: [r.seq for t in j.txns for r in (*t.records, t.end) if r.segment == s] for s in segs}
     whole = [s for s in segs if in_seg[s] and max(in_seg[s]) < keep_from]
     assert whole, "the test needs a segment entirely before the kept transaction"
-    seen = []
+    seen, payloads_ok = [], []
+
+    def absorb(refs):  # runs before the segments are dropped: their records are still readable
+        seen.extend(refs)
+        payloads_ok.extend(bytes(j.read(r)) == payload(r.seq) for r in refs if r.type == RecordType.UNDO)
+        assert all(r.segment.exists() for r in refs) and not (tmp_path / "START").exists()
+
     live0 = j.live_bytes
-    dropped = j.reclaim(keep_from, absorb=lambda refs: seen.extend(refs))
+    dropped = j.reclaim(keep_from, absorb=absorb)
     # absorb saw every record of the dropped segments (END records included), in order
     assert [r.seq for r in seen] == list(range(len(seen))) and seen[-1].type == RecordType.END
     assert {r.segment for r in seen} == set(whole)
-    assert all(bytes(j.read(r)) == payload(r.seq) for r in seen if r.type == RecordType.UNDO)  # before unlink
+    assert payloads_ok and all(payloads_ok)
     # ... then they were deleted, and START names the first live record
     assert dropped == live0 - j.live_bytes > 0
     assert [p for p in segments(tmp_path)] == [s for s in segs if s not in whole]
@@ -168,11 +175,12 @@ def test_reclaim_drops_old_segments_after_absorbing_them_and_writes_start(tmp_pa
     # the segment being appended to is never dropped, even when everything precedes the bound
     j.reclaim(j.next_seq)
     assert segments(tmp_path) and segments(tmp_path)[-1] == j._segs[-1].path
+    assert j.txns == []  # every transaction was in the dropped segments
     # appending after a reclaim continues the sequence; a reopen sees exactly the live part
-    write_txns(tmp_path, 1, j=j)
+    write_txns(tmp_path, 1, j=j, first=6)
     j.close()
     back = reopen(tmp_path)
-    assert back.txns[-1].tag == 6 and back.txns[0].first_seq == int((tmp_path / "START").read_text())
+    assert [t.tag for t in back.txns] == [6] and back.txns[0].first_seq == int((tmp_path / "START").read_text())
     refs = [r for t in back.txns for r in (*t.records, t.end)]
     assert [r.seq for r in refs] == list(range(refs[0].seq, refs[0].seq + len(refs)))
     assert all(bytes(back.read(r)) == payload(r.seq) for t in back.txns for r in t.records)
@@ -358,7 +366,7 @@ def test_a_bit_flip_in_a_header_in_an_older_segment_is_refused_at_open(tmp_path)
     j.close()
     assert len(segments(tmp_path)) >= 3
     victim = j.txns[0].records[1]
-    flip(victim.segment, victim.offset + 5)  # the record type
+    flip(victim.segment, victim.offset + 4, 0x01)  # the record type
     _refuses(tmp_path, "later segments exist")
 
 

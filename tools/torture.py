@@ -52,14 +52,19 @@ it had *completed* when it died (a lower bound: the bar is written right after a
 * **after end** (counted separately, not a trial): the trainer had exited before the kill, had
   printed its summary, or had completed all its steps (killed during shutdown). These kills are
   still recovered and checked bit-exact (a mismatch is a divergence), then the pool starts over.
-* **rolled back**: the steps lost by the kill: the steps recovery rolled back
-  (``rolled_back_steps``) together with the steps the trainer reported completed that are after
-  the recovered ``committed_step``. A trial "rolled back >= 1 step" when that set is not empty:
-  recovery really brought the pool back from a state the trainer had moved past. A kill inside
-  a step whose rows never reached durable media, after the previous step's commit was durable,
-  leaves nothing behind for recovery on the journaled tiers (emulated pmem, power-sim) and is
-  counted as 0. ``rows restored``: trials whose recovery restored rows from undo records (the
-  direct tier, shm; 0 on journaled tiers by design).
+* **rolled back**: the steps the kill undid. The trainer was executing step ``reached =
+  completed + 1`` when it died (the loop goes from one step straight to the next; when it had not
+  completed a step of this run yet, it may still have been preparing the first one, and then
+  ``reached = completed``). The steps rolled back are the steps after the recovered
+  ``committed_step`` up to ``reached``, together with the ``rolled_back_steps`` of the recovery
+  report. A trial "rolled back >= 1 step" when that set is not empty: the trainer had state
+  (rows changed in place, an optimizer step) that the recovered pool must not hold, and the
+  digest check shows that it does not. On the journaled tiers (emulated pmem, power-sim) the
+  rows of an unfinished step never reach durable media, so recovery rolls that step back with 0
+  rows restored and, when the previous step's commit was already durable, without a record to
+  undo; on shm (a direct tier) it restores the rows from undo records. The summary also counts
+  the trials whose recovery report itself named rolled-back steps (``recovery rolled back``) and
+  restored rows (``rows restored``), and the distribution of rolled-back step counts.
 
 Output: one line per kill, one summary line per tier, and a final line such as
 ``torture: 200 trials, 200 bit-exact, 0 diverged, 187 rolled back >= 1 step (93%), 12 after end
@@ -103,6 +108,7 @@ REPO = Path(__file__).resolve().parents[1]
 DIGEST_RE = re.compile(r"^state_digest ([0-9a-f]{64})\s*$", re.M)
 BANNER_RE = re.compile(r"^dlrm-cxl: pool .*\| step (\d+) -> (\d+)\s*$", re.M)
 BAR_RE = re.compile(r"(\d+)/(\d+) \[")
+BAR_RATE_RE = re.compile(r"([0-9.]+)(step/s|s/step)")
 SUMMARY_RE = re.compile(r"^done: step (\d+)", re.M)
 TIERS = ("pmem", "power-sim", "shm")
 QUICK_TIERS = ("power-sim", "pmem", "shm")
@@ -509,6 +515,15 @@ def bar_steps(stderr: str, total: int) -> int | None:
     return found[-1] if found else None
 
 
+def bar_step_seconds(stderr: str) -> float | None:
+    """Seconds per step of the trainer's progress bar (its last rate), None when it printed none."""
+    m = BAR_RATE_RE.findall(stderr)
+    if not m:
+        return None
+    v, unit = float(m[-1][0]), m[-1][1]
+    return (1.0 / v if v > 0 else None) if unit.endswith("/s") else v
+
+
 @dataclass
 class Kill:
     """One SIGKILL and what came of it."""
@@ -519,11 +534,12 @@ class Kill:
     rc: int | None
     start_step: int | None = None       # the run's first step - 1 (its banner)
     completed: int | None = None        # steps completed when it died (progress bar; banner if none)
+    reached: int | None = None          # the step it was executing (see the module docstring)
     after_end: bool = False             # exited, printed its summary, or completed every step
     committed: int | None = None        # recovery's committed_step
     rolled_back_steps: list = field(default_factory=list)
     rows_restored: int = 0
-    lost_steps: list = field(default_factory=list)  # rolled back by recovery or completed and not committed
+    lost_steps: list = field(default_factory=list)  # after the committed step up to reached, or rolled back by recovery
     bit_exact: bool = False
     problem: str = ""
 
@@ -540,6 +556,7 @@ class TierResult:
     final_ok: bool | None = None
     reference_failed: bool = False
     gave_up: bool = False
+    seconds: float = 0.0
 
     @property
     def trials(self) -> list:
@@ -558,6 +575,7 @@ class TierResult:
         return {"trials": len(t), "bit_exact": sum(k.bit_exact for k in t), "diverged": self.diverged,
                 "rolled_back": sum(k.rolled_back >= 1 for k in t),
                 "rows_restored": sum(k.rows_restored > 0 for k in t),
+                "recovery_rolled_back": sum(bool(k.rolled_back_steps) for k in t),
                 "rolled_back_hist": dict(sorted(Counter(k.rolled_back for k in t).items())),
                 "after_end": len(self.after_end)}
 
@@ -572,23 +590,36 @@ def summary_line(label: str, c: dict) -> str:
             f"{c['after_end']} after end (not counted)")
 
 
+def _flags(*, tier: str, preset: str, seed: int, dense_every: int, threads: int) -> list[str]:
+    return ["--preset", preset, "--tier", tier, "--seed", str(seed), "--dense-every", str(dense_every),
+            "--threads", str(threads)]
+
+
+def start_uninterrupted(pool: Path, steps: int, flags: list[str]) -> subprocess.Popen:
+    """The uninterrupted reference: a fresh ``python -m dlrm_cxl train --steps N --json``."""
+    _remove_pool(pool)
+    pool.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cli_cmd("train", "--pool", pool, "--steps", steps, *flags, "--no-progress", "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_child_env())
+
+
 def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str, seed: int, pool_dir: Path,
-                 dense_every: int = 1, threads: int = 1, fresh_left: float = 0.25, log=print) -> TierResult:
-    """The torture of one tier (see the module docstring); ``runner`` runs the trials' processes."""
+                 dense_every: int = 1, threads: int = 1, fresh_left: float = 0.25, log=print,
+                 uninterrupted: subprocess.Popen | None = None) -> TierResult:
+    """The torture of one tier (see the module docstring); ``runner`` runs the trials' processes;
+    ``uninterrupted``: the reference run of :func:`start_uninterrupted` if already started."""
     res = TierResult(tier, trials)
+    t_start = time.perf_counter()
     rnd = random.Random(f"{seed}:{tier}")
     pool_dir.mkdir(parents=True, exist_ok=True)
     ref_pool, uninterrupted_pool, pool = pool_dir / "reference", pool_dir / "uninterrupted", pool_dir / "trial"
-    for p in (ref_pool, uninterrupted_pool, pool):
+    for p in (ref_pool, pool):
         _remove_pool(p)
-    flags = ["--preset", preset, "--tier", tier, "--seed", str(seed), "--dense-every", str(dense_every),
-             "--threads", str(threads)]
+    flags = _flags(tier=tier, preset=preset, seed=seed, dense_every=dense_every, threads=threads)
 
     # 1. references: stepped (every k, in the runner) and uninterrupted (a fresh process), side by side.
     t0 = time.perf_counter()
-    full_proc = subprocess.Popen(cli_cmd("train", "--pool", uninterrupted_pool, "--steps", steps, *flags,
-                                         "--no-progress", "--json"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_child_env())
+    full_proc = uninterrupted or start_uninterrupted(uninterrupted_pool, steps, flags)
     ref_err = ""
     try:
         ref = runner.step_digests(["train", "--pool", str(ref_pool), *flags, "--no-progress"], steps)
@@ -613,9 +644,11 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
         _remove_pool(p)
 
     # 2. trials
+    t_trials = time.perf_counter()
     train = ["train", "--pool", str(pool), "--steps", str(steps), *flags]
     committed = 0
     attempts = 0
+    rates: list[float] = []
     fresh_below = max(1, int(round(fresh_left * steps)))
     while len(res.trials) < trials:
         attempts += 1
@@ -626,8 +659,12 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
         if steps - committed < fresh_below:
             _remove_pool(pool)  # too little left to kill in: start over on a fresh pool
             committed = 0
-        # Uniform over about the time the remaining steps take (step time of the uninterrupted run).
-        delay = rnd.uniform(0.0, (steps - committed) * step_s)
+        # Uniform over about the time the remaining steps take: the step time the trainers' own
+        # progress bars reported (the uninterrupted run's until there are some).
+        if rates:
+            step_s = sorted(rates[-7:])[len(rates[-7:]) // 2]
+        # (the uninterrupted run may have shared the CPUs with the other references: halve it)
+        delay = rnd.uniform(0.0, (0.9 if rates else 0.5) * (steps - committed) * step_s)
         run = runner.spawn(train, timeout=600)
         try:
             if not run.wait_banner(300):
@@ -644,10 +681,14 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
         res.kills.append(kill)
         kill.problem = _judge(kill, run, runner, pool, ref, steps, committed)
         kill.bit_exact = not kill.problem
+        rate = bar_step_seconds(run.stderr)
+        if rate:
+            rates.append(rate)
         what = "after end (not counted)" if kill.after_end else f"trial {len(res.trials)}/{trials}"
-        log(f"[{tier}] {what}: killed +{delay * 1e3:.0f} ms after the banner, step {kill.start_step} -> "
-            f"completed {kill.completed}; recovered to step {kill.committed} (rolled back "
-            f"{kill.rolled_back_steps}, {kill.rows_restored} rows; lost {kill.rolled_back} step(s)): "
+        log(f"[{tier}] {what}: killed +{delay * 1e3:.0f} ms (step {step_s * 1e3:.1f} ms) after the banner, run from step {kill.start_step}, "
+            f"{kill.completed} completed; recovered to step {kill.committed} (report: rolled back "
+            f"{kill.rolled_back_steps}, {kill.rows_restored} rows restored); rolled back {kill.rolled_back} "
+            f"step(s) {kill.lost_steps}: "
             + ("bit-exact" if kill.bit_exact else f"DIVERGED: {kill.problem}"))
         if kill.committed is None or kill.after_end or not kill.bit_exact:
             _remove_pool(pool)  # start over: nothing left to kill in, or a state not to build on
@@ -656,11 +697,15 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
             committed = kill.committed
 
     # 3. final
+    t_final = time.perf_counter()
     fin = runner.run(train + ["--no-progress"], timeout=600)
     final = parse_digest(fin.stdout)
     res.final_ok = fin.returncode == 0 and final == ref[steps]
+    res.seconds = time.perf_counter() - t_start
     log(f"[{tier}] final: train to step {steps}: rc {fin.returncode}, digest {(final or '-')[:16]}... "
-        f"{'bit-exact' if res.final_ok else 'MISMATCH'} (reference {ref[steps][:16]}...)")
+        f"{'bit-exact' if res.final_ok else 'MISMATCH'} (reference {ref[steps][:16]}...); "
+        f"references {t_trials - t_start:.1f} s, {len(res.kills)} kills {t_final - t_trials:.1f} s, "
+        f"tier {res.seconds:.1f} s")
     if fin.returncode != 0:
         log(fin.stderr[-3000:])
     _remove_pool(pool)
@@ -690,7 +735,9 @@ def _judge(kill: Kill, run, runner: Cli, pool: Path, ref: dict, steps: int, comm
     kill.rolled_back_steps = list(rep["rolled_back_steps"])
     kill.rows_restored = int(rep["rows_restored"])
     done = kill.completed or 0
-    kill.lost_steps = sorted(set(kill.rolled_back_steps) | set(range((c or 0) + 1, done + 1)))
+    start = kill.start_step if kill.start_step is not None else done
+    kill.reached = done + 1 if start < done < steps else done
+    kill.lost_steps = sorted(set(kill.rolled_back_steps) | set(range((c or 0) + 1, kill.reached + 1)))
     if c is None:
         return "recovery found no committed step"
     if c < committed_before:
@@ -747,28 +794,41 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results: list[TierResult] = []
     runner = None
+    full: dict[str, subprocess.Popen] = {}
     try:
+        # The uninterrupted references (fresh processes) start at once, beside the fork server's start-up.
+        for tier in tiers:
+            full[tier] = start_uninterrupted(Path(root) / tier / "uninterrupted", a.steps, _flags(
+                tier=tier, preset=a.preset, seed=a.seed, dense_every=a.dense_every, threads=a.threads))
         runner = Cli(fresh=a.fresh_processes, env=BAR_ENV)
         for tier in tiers:
             results.append(torture_tier(runner, trials=a.trials, steps=a.steps, tier=tier, preset=a.preset,
                                         seed=a.seed, pool_dir=Path(root) / tier, dense_every=a.dense_every,
-                                        threads=a.threads, fresh_left=a.fresh_left, log=log))
+                                        threads=a.threads, fresh_left=a.fresh_left, log=log,
+                                        uninterrupted=full[tier]))
     finally:
+        for proc in full.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
         if runner is not None:
             runner.close()
         if not keep:
             _destroy_under(Path(root))
     for r in results:
         c = r.counts()
-        log(summary_line(r.tier, c) + f"; {c['rows_restored']} restored rows; rolled-back steps per trial "
-            f"{c['rolled_back_hist']}; final {'bit-exact' if r.final_ok else 'MISMATCH' if r.final_ok is False else '-'}")
+        log(summary_line(r.tier, c) + f"; rolled-back steps per trial {c['rolled_back_hist']}, recovery rolled "
+            f"back records in {c['recovery_rolled_back']}, rows restored in {c['rows_restored']}; final "
+            f"{'bit-exact' if r.final_ok else 'MISMATCH' if r.final_ok is False else '-'}; {r.seconds:.0f} s")
     total = {k: sum(r.counts()[k] for r in results)
-             for k in ("trials", "bit_exact", "diverged", "rolled_back", "rows_restored", "after_end")}
+             for k in ("trials", "bit_exact", "diverged", "rolled_back", "rows_restored", "recovery_rolled_back",
+                       "after_end")}
     hist = Counter()
     for r in results:
         hist.update(r.counts()["rolled_back_hist"])
-    log(f"rolled-back steps per trial: {dict(sorted(hist.items()))}; trials with rows restored: "
-        f"{total['rows_restored']}; {time.perf_counter() - t0:.0f} s")
+    log(f"rolled-back steps per trial: {dict(sorted(hist.items()))}; recovery rolled back records in "
+        f"{total['recovery_rolled_back']}, rows restored in {total['rows_restored']} trials; "
+        f"{time.perf_counter() - t0:.0f} s")
     log(f"{total['bit_exact']}/{total['trials']} trials bit-exact")
     log(summary_line("torture", total))
     if any(r.reference_failed for r in results):

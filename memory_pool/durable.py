@@ -1,19 +1,26 @@
-"""Durable file primitives shared by the pool and the checkpointer.
+"""Durable small files, for every package of the project: one home for the fsync ordering and
+for checksummed JSON documents (pool.json, job.json, a shm region's OWNER).
 
 The rule everywhere (after SQLite's atomic-commit write-up): a file that marks something as
 done is written to a temporary name, fsynced, renamed over the real name, and then the directory
 is fsynced — the rename is only durable once the directory entry is.
+
+A checksummed JSON document carries ``crc32``: the crc32 of its canonical JSON (the object
+without ``crc32``, sorted keys, compact separators), so reformatting never breaks it and any
+changed value does.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import zlib
 from pathlib import Path
 
 from .errors import PoolFullError
 
-__all__ = ["atomic_write", "fsync_dir", "raise_if_full"]
+__all__ = ["atomic_write", "fsync_dir", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok"]
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
@@ -57,3 +64,20 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, durable: bool = True) 
         except OSError:
             pass
         raise_if_full(exc, f"writing {path}")
+
+
+def json_crc(body: dict) -> int:
+    """crc32 of the canonical JSON of ``body`` (its ``crc32`` key, if any, left out)."""
+    body = {k: v for k, v in body.items() if k != "crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def json_with_crc(body: dict, *, indent: int | None = None) -> bytes:
+    """The bytes of ``body`` plus its ``crc32``, ready for :func:`atomic_write`."""
+    body = {k: v for k, v in body.items() if k != "crc32"}
+    return (json.dumps({**body, "crc32": json_crc(body)}, indent=indent, sort_keys=True) + "\n").encode()
+
+
+def json_crc_ok(doc: dict) -> bool:
+    """True when ``doc`` carries the right ``crc32`` for the rest of it."""
+    return isinstance(doc, dict) and "crc32" in doc and doc["crc32"] == json_crc(doc)

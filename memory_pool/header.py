@@ -1,0 +1,47 @@
+"""The pool header, ``DIR/pool.json``: magic, format version, pool id, tier, tables, meta and a
+crc32 of its canonical JSON. It is the pool's commit marker: written last at creation, replaced
+atomically and durably (``durable.atomic_write``) whenever it changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .durable import json_crc, json_with_crc
+from .errors import PoolCorruptError, PoolFormatError, PoolVersionError
+
+__all__ = ["MAGIC", "FORMAT_VERSION", "HEADER", "header_bytes", "read_header"]
+
+MAGIC = "dlrm-cxl-pool"
+FORMAT_VERSION = 2   # 2: journal (byte-granular persistence), the checkpointer's records in it
+HEADER = "pool.json"
+
+
+def header_bytes(doc: dict) -> bytes:
+    return json_with_crc(doc, indent=1)
+
+
+def read_header(path: Path) -> dict:
+    """Parse and verify ``DIR/pool.json``; typed errors for every way it can be wrong."""
+    hp = Path(path) / HEADER
+    if not Path(path).is_dir():
+        raise PoolFormatError(f"{path} is not a pool: no such directory")
+    try:
+        raw = hp.read_bytes()
+    except FileNotFoundError:
+        raise PoolFormatError(f"{path} is not a pool: {HEADER} is missing") from None
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PoolCorruptError(f"{hp}: header is not valid JSON ({exc}): truncated or damaged") from None
+    if doc.get("magic") != MAGIC:
+        raise PoolFormatError(f"{hp}: wrong magic {doc.get('magic')!r}, expected {MAGIC!r}: not a dlrm-cxl pool")
+    crc = json_crc(doc)
+    if doc.get("crc32") != crc:
+        raise PoolCorruptError(f"{hp}: header checksum mismatch (stored {doc.get('crc32')}, computed {crc})")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise PoolVersionError(
+            f"{hp}: pool format version {doc.get('format_version')}, this dlrm-cxl reads version {FORMAT_VERSION}")
+    return doc

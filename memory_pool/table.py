@@ -1,0 +1,250 @@
+"""A table of the pool: :class:`TableConfig` (what it is) and :class:`Table` (the object that owns
+its rows' memory, through a region of the pool's tier), plus the pool's :class:`PoolStats`.
+
+``Table`` has two surfaces. The public API validates everything (``read``, ``write``,
+``lookup``, ``persist``, ``fill_``, ``load_``). The trusted fast path is for callers that have
+validated ids against the table already -- the trainer, the checkpointer, recovery:
+``gather_rows``, ``scatter_rows``, ``pooled_rows``, ``restore_raw``, ``mark_dirty``,
+``take_dirty``, ``arena_offset``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .cache import RowCache
+from .errors import InvalidIdsError
+from .tiers import Region, torch_dtype
+from .validation import validate_ids, validate_init, validate_offsets, validate_values
+
+__all__ = ["TableConfig", "Table", "PoolStats"]
+
+if TYPE_CHECKING:
+    from .pool import MemoryPool
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """What a table is; the :class:`Table` object owns its memory."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    dtype: str = "float32"
+
+    @property
+    def row_bytes(self) -> int:
+        return self.embedding_dim * torch_dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_embeddings * self.row_bytes
+
+
+@dataclass
+class PoolStats:
+    """Counters since the pool was opened. Bytes are payload bytes (rows), not pages."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    bytes_read_dram: int = 0
+    bytes_read_home: int = 0
+    bytes_written: int = 0
+    persist_calls: int = 0
+    bytes_persisted: int = 0
+    persist_seconds: float = 0.0
+    bytes_written_back: int = 0     # rows written from the journal into the table images
+    bytes_compacted: int = 0        # journal bytes dropped after write-back
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Table:
+    """One embedding table of a pool. Get it with :meth:`MemoryPool.table`.
+
+    ``read`` returns copies; ``write`` updates rows in place in the table's home tier.
+    """
+
+    def __init__(self, pool: "MemoryPool", cfg: TableConfig, region: Region, cache_rows: int):
+        self.pool = pool
+        self.config = cfg
+        self._region = region
+        self._cache = RowCache(region.tensor, cache_rows) if cache_rows else None
+
+    # -- description
+    name = property(lambda self: self.config.name)
+    num_embeddings = property(lambda self: self.config.num_embeddings)
+    embedding_dim = property(lambda self: self.config.embedding_dim)
+    dtype = property(lambda self: torch_dtype(self.config.dtype))
+
+    @property
+    def cached(self) -> bool:
+        """True when the table exceeds its DRAM budget and reads go through a row cache."""
+        return self._cache is not None
+
+    def __repr__(self) -> str:
+        return (f"Table({self.name!r}, rows={self.num_embeddings}, dim={self.embedding_dim}, "
+                f"dtype={self.config.dtype}, tier={self._region.tier}, cached={self.cached})")
+
+    def view(self) -> torch.Tensor:
+        """The live [rows, dim] tensor over the table's home memory (no copy).
+
+        Writing through it bypasses the cache, dirty tracking and the undo log: use
+        :meth:`write` unless you know why. Invalid after the pool is closed.
+        """
+        self.pool._check_open()
+        return self._region.tensor
+
+    # -- hot path (callers have validated)
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        st = self.pool.stats
+        if self._cache is None:
+            out = self._region.tensor.index_select(0, ids)
+            st.bytes_read_home += out.numel() * out.element_size()
+            return out
+        h0, m0 = self._cache.hits, self._cache.misses
+        out, b_dram, b_home = self._cache.read(ids)
+        st.cache_hits += self._cache.hits - h0
+        st.cache_misses += self._cache.misses - m0
+        st.bytes_read_dram += b_dram
+        st.bytes_read_home += b_home
+        return out
+
+    def _scatter(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        self._region.tensor.index_copy_(0, ids, values)
+        self._region.mark_dirty(ids)
+        if self._cache is not None:
+            self._cache.write_through(ids, values)
+        self.pool.stats.bytes_written += values.numel() * values.element_size()
+
+    # -- trusted fast path: for callers that validated ids against this table (the trainer,
+    #    the checkpointer, recovery). No checks; documented so no one reaches for _private.
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64, valid) as a new tensor, through the cache when there is one."""
+        return self._gather(ids)
+
+    def scatter_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set rows ``ids`` (int64, valid, distinct) to ``values`` in place (cache kept coherent)."""
+        self._scatter(ids, values)
+
+    def pooled_rows(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Sum-pooled bags of valid ``ids`` with bag starts ``offsets`` -> [B, dim]."""
+        return self._pooled(ids, offsets)
+
+    def restore_raw(self, ids: torch.Tensor, raw: torch.Tensor) -> None:
+        """Set rows ``ids`` to raw bytes ``raw`` [n, row_bytes] (recovery's write path)."""
+        self._region.restore_rows(ids, raw)
+        if self._cache is not None:
+            self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
+
+    def mark_dirty(self, ids: torch.Tensor) -> None:
+        """Note rows changed in place by a trusted writer (e.g. a fused kernel): the next
+        ``persist()`` covers them."""
+        self._region.mark_dirty(ids)
+
+    def take_dirty(self) -> torch.Tensor:
+        """Rows written since the last persist (sorted), forgotten by the table."""
+        return self._region.take_dirty()
+
+    @property
+    def arena_offset(self) -> int | None:
+        """Byte offset of row 0 in the pool's arena (see :meth:`MemoryPool.arena_tensor`);
+        None when the table is not in the arena."""
+        return self._region.offset
+
+    def _pooled(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
+        if self._cache is None:
+            self.pool.stats.bytes_read_home += ids.numel() * self.config.row_bytes
+            return F.embedding_bag(ids, self._region.tensor, offsets, mode="sum",
+                                   per_sample_weights=per_sample_weights)
+        rows = self._gather(ids)
+        return F.embedding_bag(torch.arange(ids.numel()), rows, offsets, mode="sum",
+                               per_sample_weights=per_sample_weights)
+
+    # -- public API
+    def read(self, ids) -> torch.Tensor:
+        """Rows ``ids`` as a new [len(ids), dim] tensor. Duplicates are allowed."""
+        self.pool._check_open()
+        return self._gather(validate_ids(ids, self.config))
+
+    def write(self, ids, values: torch.Tensor) -> None:
+        """Set rows ``ids`` to ``values`` in place. Ids must be distinct; nothing changes on error."""
+        self.pool._check_writable()
+        ids = validate_ids(ids, self.config)
+        values = validate_values(values, ids.numel(), self.config)
+        if ids.numel() and torch.unique(ids).numel() != ids.numel():
+            raise InvalidIdsError(f"table {self.name!r}: duplicate ids in write (which value wins would be arbitrary)",
+                                  hint="deduplicate ids (torch.unique) and combine their values first")
+        self._scatter(ids, values)
+
+    def lookup(self, ids, offsets) -> torch.Tensor:
+        """Sum-pooled bags: ``offsets`` [B] (start of each bag in ``ids``) -> [B, dim]."""
+        self.pool._check_open()
+        ids = validate_ids(ids, self.config)
+        offsets = validate_offsets(offsets, ids.numel(), self.config)
+        return self._pooled(ids, offsets)
+
+    def persist(self, ids=None) -> int:
+        """Make rows ``ids`` (default: every row written since the last persist) durable."""
+        self.pool._check_writable()
+        t0 = time.perf_counter()
+        ids = self._region.take_dirty() if ids is None else torch.unique(validate_ids(ids, self.config))
+        n = self.pool._persist_rows([(self, ids)])
+        st = self.pool.stats
+        st.persist_calls += 1
+        st.bytes_persisted += n
+        st.persist_seconds += time.perf_counter() - t0
+        return n
+
+    def fill_(self, init: str = "uniform", *, scale: float | None = None, seed: int = 0,
+              chunk_rows: int = 1 << 18) -> None:
+        """Initialise every row: ``zeros``, or ``uniform`` in [-scale, scale] (TorchRec's
+        default scale is sqrt(1/num_embeddings)), chunk by chunk so huge tables need no
+        table-sized temporary. Deterministic in ``seed``."""
+        self.pool._check_writable()
+        validate_init(init)
+        if init == "zeros":
+            chunks = ((a, None) for a in range(0, self.num_embeddings, chunk_rows))
+        else:
+            s = (1.0 / self.num_embeddings) ** 0.5 if scale is None else scale
+            g = torch.Generator().manual_seed(seed)
+            chunks = ((a, torch.rand(min(chunk_rows, self.num_embeddings - a), self.embedding_dim, generator=g)
+                       * (2 * s) - s) for a in range(0, self.num_embeddings, chunk_rows))
+        self._load_chunks(chunks, chunk_rows)
+
+    def load_(self, values: torch.Tensor) -> None:
+        """Replace every row with ``values`` [rows, dim], durably (a bulk write: on a journaled
+        tier it goes straight to the table image, not through the journal)."""
+        self.pool._check_writable()
+        values = validate_values(values, self.num_embeddings, self.config)
+        step = 1 << 18
+        self._load_chunks(((a, values[a:a + step]) for a in range(0, self.num_embeddings, step)), step)
+
+    def _load_chunks(self, chunks, chunk_rows: int) -> None:
+        region = self._region
+        t = region.tensor
+        for a, vals in chunks:
+            b = min(a + chunk_rows, self.num_embeddings)
+            if vals is None:
+                vals = torch.zeros(b - a, self.embedding_dim)
+            vals = vals.to(t.dtype).contiguous()
+            if region.journaled:
+                region.write_back(torch.arange(a, b), vals.view(torch.uint8).view(b - a, -1))
+            else:
+                t[a:b] = vals
+        if region.journaled:
+            # The image holds the new rows durably; map it afresh so this process sees them
+            # (and drops any copy-on-write pages of the old ones).
+            region.sync()
+            self.pool._remap(self)
+            region.take_dirty()
+        elif self.pool.tier == "pmem":
+            region.flush_rows(torch.arange(self.num_embeddings))
+        if self._cache is not None:
+            self._cache = RowCache(region.tensor, self._cache.capacity)
