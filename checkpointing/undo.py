@@ -117,6 +117,7 @@ class UndoLogCheckpointer(Checkpointer):
         self._txn_start: dict[int, int] = {t.tag: t.first_seq for t in commits[-4:]}
         self._pending_start: int | None = None   # first seq of the open transaction
         self._lock = threading.Lock()
+        self._broken: str | None = None
         ckpt_dir(pool.storage_dir).mkdir(parents=True, exist_ok=True)
 
     # -- crash injection
@@ -131,6 +132,8 @@ class UndoLogCheckpointer(Checkpointer):
 
     # -- protocol
     def begin_step(self, step: int) -> None:
+        if self._broken:
+            raise RuntimeError(f"{self._broken}: reopen the pool to continue from its last commit")
         self._check()
         self._cur = Step(step)
         if self.crash is not None:
@@ -201,15 +204,18 @@ class UndoLogCheckpointer(Checkpointer):
         cur = self._cur
         if cur is None:
             return
-        if cur.updated:
-            if cur.before is None:
-                raise RuntimeError(f"step {cur.k} changed rows but has no before-images to restore")
+        if cur.updated and cur.before is not None:
             for (t, rows), b in zip(cur.touched, cur.before):
                 t.scatter_rows(rows, b)
             if self.pool.real_pmem:
                 self.pool.persist_rows([(t, rows) for t, rows in cur.touched])
+        elif cur.updated:
+            # A journaled tier keeps no before-images: the changed rows live only in this
+            # process's working copy and never reach durable media. The pool on media is at the
+            # last commit; this process must not train on: every later step refuses.
+            self._broken = f"step {cur.k} failed after changing rows in memory"
         self._cur = None
-        if self.coordinator is None:
+        if self.coordinator is None and not self._broken:
             self.checkpoint_now(cur.k - 1)
 
     def commit(self, step: int, *, final: bool = False) -> None:

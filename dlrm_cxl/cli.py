@@ -289,7 +289,7 @@ def _inspect_pool(path, digest: bool) -> dict:
     from checkpointing import checkpoint_status, committed_state, state_digest
     from memory_pool import MemoryPool
 
-    with MemoryPool.open(path, read_only=True) as pool:
+    with MemoryPool.open(path, read_only=True, consistent=digest) as pool:
         info = pool.describe()
         status = checkpoint_status(pool)
         info["checkpoint"] = status
@@ -382,7 +382,7 @@ def _open_model(pool_path, read_only=True):
         raise PoolFormatError(f"{pool_path} is a job of several ranks (tables sharded across rank-*/ pools); "
                               f"eval and export read a single-process pool",
                               hint="inspect and recover take the job directory; train a single-process pool to export")
-    pool = MemoryPool.open(pool_path, read_only=read_only)
+    pool = MemoryPool.open(pool_path, read_only=read_only, consistent=read_only)
     try:
         if "model" not in pool.meta:
             raise PoolFormatError(f"{pool_path} holds no model (no trainer state)")

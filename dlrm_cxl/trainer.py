@@ -192,7 +192,7 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
             if c is not None and g < c:
                 target = g
                 log(f"pool {path} committed step {c}, but not every rank did: rolling back to step {g}")
-        if status["needs_recovery"] or target is not None:
+        if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
             log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
             rep = recover(path, digest=False, target_step=target, rank_of_job=coordinator is not None)
             log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
@@ -347,7 +347,7 @@ class Trainer:
                 # The gradient of the pooled output is ready just before fbgemm's backward updates
                 # the rows in place: the write-ahead barrier goes exactly there, so the undo log's
                 # write overlaps the forward and the dense backward.
-                pooled.register_hook(lambda g: self._barrier(ck))
+                pooled.register_hook(lambda g: self._barrier(ck, k, g))
                 loss.backward()
                 ck.hit("mid-update")  # rows updated, dense step not yet
             with _phase("dense_optimizer"):
@@ -360,8 +360,12 @@ class Trainer:
         self.step = k
         return float(loss.detach())
 
-    @staticmethod
-    def _barrier(ck) -> None:
+    def _barrier(self, ck, k: int, grad: torch.Tensor) -> None:
+        # A non-finite gradient would write non-finite rows: refuse before anything is written
+        # (the loss can be finite while a gradient is not, e.g. after an overflow in the MLP).
+        if not _all_finite(grad):
+            raise TrainingDivergedError(f"the embedding gradient of step {k} is not finite (the loss is); the "
+                                        f"step was not applied, the pool stays at step {k - 1}")
         ck.persist()
         ck.mark_updated()
 
@@ -493,6 +497,11 @@ class Trainer:
             self.ckpt.close()
         finally:
             self.pool.close()
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    lo, hi = torch.aminmax(t)  # one pass, no temporary; NaN propagates
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def _phase(name: str):

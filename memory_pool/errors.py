@@ -5,7 +5,7 @@ sentence saying what to do about it. ``str(err)`` includes the hint, so a CLI ca
 Errors that are also classic Python categories (bad arguments) additionally derive from the
 builtin (``ValueError``), so ``except ValueError`` keeps working for callers that expect it.
 
-The CLI maps each class to an exit code (``EXIT_CODE``); ``dlrm_cxl.cli`` reads it.
+Each class carries its CLI exit status as ``exit_code``; ``dlrm_cxl.cli.main`` returns it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ __all__ = [
     "PoolVersionError",
     "PoolLockedError",
     "PoolFullError",
+    "PoolIOError",
     "PoolReadOnlyError",
     "PoolVolatileError",
     "TableExistsError",
@@ -77,6 +78,14 @@ class PoolFullError(DlrmCxlError):
 
     exit_code = 6
     default_hint = "pool full: raise --capacity or free disk space"
+
+
+class PoolIOError(DlrmCxlError):
+    """The device reported an I/O error (EIO) while the pool or its journal was being written."""
+
+    exit_code = 9
+    default_hint = ("the device failed a write; nothing committed is lost: check the disk (dmesg), then "
+                    "`dlrm-cxl recover --pool DIR`")
 
 
 class PoolReadOnlyError(DlrmCxlError):

@@ -339,8 +339,14 @@ class MemoryPool:
 
     @classmethod
     def open(cls, path, *, read_only: bool = False, dram_cache_bytes: int | None = None,
-             use_libpmem: bool | None = None) -> "MemoryPool":
-        """Open an existing pool. A writer takes the lock; ``read_only`` takes none."""
+             use_libpmem: bool | None = None, consistent: bool = False) -> "MemoryPool":
+        """Open an existing pool. A writer takes the lock; ``read_only`` takes none.
+
+        ``consistent`` (read-only): hold a shared lock while open, so that no writer can change
+        the pool under this reader, and refuse (PoolLockedError) if a writer is training it now:
+        a reader beside a writer could otherwise see rows of a step being applied (shm) or a
+        compaction rewriting the image (journaled tiers). What ``inspect``, ``eval`` and
+        ``export`` use."""
         path = Path(path)
         if dram_cache_bytes is not None and (not is_int(dram_cache_bytes) or dram_cache_bytes < 0):
             raise InvalidConfigError(f"dram_cache_bytes must be None or an int >= 0, got {dram_cache_bytes!r}")
@@ -352,26 +358,47 @@ class MemoryPool:
             raise PoolVolatileError(
                 f"{path}: shm region {header['storage_dir']} is gone (the machine was restarted?)",
                 hint="shm pools survive a trainer crash, not a reboot; use --tier pmem for that")
-        lock_fd = None if read_only else cls._lock(path)
-        return cls(path, header, read_only=read_only, lock_fd=lock_fd,
-                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
+        if read_only:
+            lock_fd = cls._lock(path, shared=True) if consistent else None
+        else:
+            lock_fd = cls._lock(path)
+        try:
+            return cls(path, header, read_only=read_only, lock_fd=lock_fd,
+                       dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
 
     @staticmethod
-    def _lock(path: Path) -> int:
-        fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    def _lock(path: Path, *, shared: bool = False) -> int | None:
+        """The writer lock (exclusive), or a reader's shared lock. Both non-blocking."""
+        if shared:
+            try:
+                fd = os.open(path / "LOCK", os.O_RDONLY | os.O_CREAT, 0o644)
+            except OSError:
+                return None  # a directory no one can write to has no writer either
+        else:
+            fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             # flock belongs to the open file description: the kernel drops it when the holder
             # dies, even by SIGKILL, so a crashed writer never leaves a stale lock behind.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             try:
                 holder = (path / "LOCK").read_text().strip()
             except OSError:
                 holder = "?"
-            raise PoolLockedError(f"{path} is locked by another writer (pid {holder or '?'})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            if shared:
+                raise PoolLockedError(
+                    f"{path} is being trained (writer pid {holder or '?'}): a reader beside it could see a step "
+                    f"half applied", hint="wait until training stops (or use `inspect --no-digest`)") from None
+            raise PoolLockedError(f"{path} is locked by another writer (pid {holder or '?'}) or held by a "
+                                  f"reader (inspect, eval, export)") from None
+        if not shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
 
     def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None, replay=None) -> Table:

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -467,7 +468,7 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
     pool = root / f"bounded-{tier}-{dense_every}"
     env = {**os.environ, "DLRM_CXL_COMPACT_MB": "1", "PYTHONPATH": str(REPO)}
     live = []
-    for steps in (30, 60):  # the second run reopens the pool: its journal must not keep the first's
+    for steps in (40, 80):  # the second run reopens the pool: its journal must not keep the first's
         proc = subprocess.run(torture.cli_cmd("train", "--pool", pool, *flags(tier), "--dense-every", dense_every,
                                               "--steps", steps, "--json"),
                               capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
@@ -480,7 +481,7 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
         live.append(n)
         bound = (1 << 20) + 3 * dense_every * ck["bytes_durable_per_step"] + (256 << 10)
         assert n <= bound, (steps, n, bound, firsts)
-        assert start > 0 and firsts and firsts[0] == start and len(firsts) <= 4, (start, firsts)
+        assert start > 0 and firsts and firsts[0] == start and len(firsts) <= 8, (start, firsts)
         # what is left is a consistent pool at the last step
         info = ok_json(subprocess.run(torture.cli_cmd("inspect", "--pool", pool, "--json"), capture_output=True,
                                       text=True, timeout=600, cwd=REPO, env=env))
@@ -514,7 +515,10 @@ def test_torture_quick_is_bit_exact():
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "torture.py"), "--quick"], capture_output=True,
                           text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "3/3 trials bit-exact" in proc.stdout, proc.stdout
-    trials = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
-    assert len(trials) == 3 and all("bit-exact" in line for line in trials), proc.stdout
-    assert "MISMATCH" not in proc.stdout and "final:" in proc.stdout, proc.stdout
+    m = re.search(r"^(\d+)/(\d+) trials bit-exact", proc.stdout, re.M)
+    assert m and m[1] == m[2] and int(m[2]) >= 3, proc.stdout
+    trials = [line for line in proc.stdout.splitlines() if re.match(r"^(\[[\w-]+\] )?trial ", line)]
+    assert len(trials) == int(m[2]) and all(line.endswith("bit-exact") for line in trials), proc.stdout
+    finals = [line for line in proc.stdout.splitlines() if re.match(r"^(\[[\w-]+\] )?final:", line)]
+    assert finals and all("bit-exact" in line for line in finals), proc.stdout
+    assert "MISMATCH" not in proc.stdout and " 0 diverged" in proc.stdout, proc.stdout

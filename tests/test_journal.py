@@ -6,7 +6,6 @@ the pool's use of it (replay at open, compaction) including a SIGKILL in the mid
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 

@@ -8,11 +8,22 @@ tests that kill the trainer from outside use fresh ``python -m dlrm_cxl`` proces
 ``test_reference_digests_...`` checks that a fresh process and a forked child train to the same
 digest. ``DLRM_CXL_TEST_FRESH=1`` runs every command as a fresh process instead (slower).
 
-The references: one pool per tier is advanced one step at a time (``train --steps 0``, ``1``,
-... each run resuming the last), recording the ``state_digest`` after every step ``k``; these are
-checked against uninterrupted runs. A crash test then asserts that (a) right after ``recover``
-the pool's digest is the reference digest of the step it committed, (b) the steps after it were
-exactly the ones rolled back, and (c) resuming ends bit-exact at the uninterrupted digest.
+The references: one pool per journaled tier is advanced one step at a time (``train --steps 0``,
+``1``, ... each run resuming the last), recording the ``state_digest`` after every step ``k``;
+these are checked against uninterrupted runs (and the tier does not change the arithmetic, so
+shm pools are checked against them too). A crash test then asserts that (a) right after
+``recover`` the pool's digest is the reference digest of the step it committed, (b) the steps
+after it were exactly the ones rolled back, and (c) resuming ends bit-exact at the uninterrupted
+digest.
+
+Where the state lives: the pool's journal (``<storage dir>/journal/seg-*.log``, see
+``memory_pool.journal``): one transaction per recovery point, ``[UNDO...] [ROWS...] DENSE END``.
+shm is a direct tier: a step's ``UNDO`` before-images precede its in-place update, and recovery
+applies those of the unfinished steps. pmem (emulated) and power-sim are journaled tiers: a
+step's rows reach durable media only in its committed transaction (``ROWS`` after-images), so an
+unfinished step has nothing to restore (0 rows) and only its records to drop. Damage before the
+newest ``END`` is refused (exit 4, nothing changed); damage in the unfinished tail is a torn tail
+(journaled tiers always; shm only when no valid record follows it).
 """
 
 from __future__ import annotations
@@ -25,26 +36,41 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import checkpointing
-from checkpointing.store import PAYLOAD_OFFSET, ckpt_dir, read_commit, scan_slots
-from memory_pool.errors import RecoveryError
+from checkpointing.store import ckpt_dir, is_commit
+from memory_pool.errors import PoolCorruptError, RecoveryError
+from memory_pool.journal import Journal, RecordType
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("dlrm_cxl_torture", REPO / "tools" / "torture.py")
 torture = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = torture  # (its dataclasses look their module up while it loads)
 _spec.loader.exec_module(torture)
 
 N = 8          # steps of every crash test's run
 K = 5          # the step --crash-at kills
 N_EXT = 60     # steps of the runs killed from outside
-TIERS = ("pmem", "power-sim")
-BEFORE_COMMIT = ("before-log", "mid-log", "after-log", "mid-update", "after-update", "before-commit", "mid-dense")
-NOT_LOGGED = ("before-log", "mid-log")   # step K's undo slot is not sealed yet: nothing of K to roll back
+TIERS = ("pmem", "power-sim")              # the journaled tiers (copyable pools: their directory is all)
+CRASH_TIERS = ("pmem", "power-sim", "shm")
+# Phases before step K's commit starts. Commits are pipelined (step K computes while step K-1's
+# transaction becomes durable), so a crash here may find K-1's commit still in flight: K-2.
+PRE_COMMIT = ("before-log", "mid-log", "after-log", "mid-update", "after-update")
+# Phases inside step K's commit: --crash-at waits for it, and for K-1's, first.
+IN_COMMIT = ("before-commit", "mid-dense")
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """Runs the CLI in real processes forked from one warm interpreter (tools/torture.py)."""
+    c = torture.Cli()
+    yield c
+    c.close()
 
 
 def flags(tier: str, *extra) -> list[str]:
@@ -67,12 +93,24 @@ def killed(proc) -> bool:
     return proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
 
 
+def storage_dir(pool: Path) -> Path:
+    """Where a pool's journal and table files live (its shm region for tier shm)."""
+    header = json.loads((Path(pool) / "pool.json").read_text())
+    return Path(header["storage_dir"]) if header["tier"] == "shm" else Path(pool)
+
+
+def journal_dir(pool: Path) -> Path:
+    return storage_dir(pool) / "journal"
+
+
 def pool_files(path: Path) -> dict[str, str]:
-    """sha256 of every file of a pool but its LOCK (which records the last writer's pid)."""
+    """sha256 of every file of a pool (its shm region included) but its LOCK (which records the
+    last writer's pid)."""
     out = {}
-    for p in sorted(Path(path).rglob("*")):
-        if p.is_file() and p.name != "LOCK":
-            out[str(p.relative_to(path))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    for base in dict.fromkeys([Path(path), storage_dir(path)]):
+        for p in sorted(base.rglob("*")):
+            if p.is_file() and p.name != "LOCK":
+                out[f"{base.name}/{p.relative_to(base)}"] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
 
@@ -82,6 +120,36 @@ def copy_pool(src: Path, dst: Path) -> Path:
     return dst
 
 
+def read_journal(pool: Path) -> Journal:
+    return Journal(journal_dir(pool), read_only=True)
+
+
+def committed_steps(pool: Path) -> list[int]:
+    return [t.tag for t in read_journal(pool).txns if is_commit(t)]
+
+
+def check_clean_journal(pool: Path, c: int) -> None:
+    """After a recovery: the newest commit is step c, with exactly one dense state, and nothing
+    is left after it (no unfinished records, no torn bytes)."""
+    j = read_journal(pool)
+    commits = [t for t in j.txns if is_commit(t)]
+    assert commits and commits[-1].tag == c and j.last is commits[-1], [t.tag for t in commits[-3:]]
+    assert [r.type for r in commits[-1].records].count(RecordType.DENSE) == 1
+    assert j.tail == [] and j.torn_bytes == 0 and j.tail_damage is None
+
+
+def flip(path: Path, offset: int, mask: int = 0x10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def cut(path: Path, start: int, end: int) -> None:
+    """Remove bytes [start, end) from a file (a record cut out of a segment)."""
+    data = path.read_bytes()
+    path.write_bytes(data[:start] + data[end:])
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +166,8 @@ def ref(cli, root):
         capture_output=True, text=True, timeout=300, cwd=REPO))
     out["uninterrupted"]["power-sim-N"] = digest_of(
         cli.run(["train", "--pool", root / "ref-full-ps", *flags("power-sim"), "--steps", N]))
+    out["uninterrupted"]["shm-N"] = digest_of(
+        cli.run(["train", "--pool", root / "ref-full-shm", *flags("shm"), "--steps", N]))
     return out
 
 
@@ -108,8 +178,8 @@ def ref_at(cli, root, ref):
     extra = {}
 
     def at(tier: str, k: int) -> str:
-        if k in ref["stepped"][tier]:
-            return ref["stepped"][tier][k]
+        if k <= N:
+            return R(ref, tier, k)
         if k not in extra:
             extra[k] = digest_of(cli.run(["train", "--pool", root / f"ref-at-{k}", *flags("pmem"), "--steps", k]))
         return extra[k]
@@ -118,7 +188,9 @@ def ref_at(cli, root, ref):
 
 
 def R(ref, tier: str, k: int) -> str:
-    return ref["stepped"][tier][k]
+    """Reference digest after step k (shm: the pmem references; the tier changes no arithmetic,
+    see the reference test)."""
+    return ref["stepped"]["pmem" if tier == "shm" else tier][k]
 
 
 # --------------------------------------------------------------------------- references
@@ -132,40 +204,56 @@ def test_reference_digests_resuming_step_by_step_is_bit_exact(ref):
     # ... every step changes the state, and the tier does not change the arithmetic
     assert len(set(pm.values())) == len(pm)
     assert all(ps[k] == pm[k] for k in ps)
+    assert ref["uninterrupted"]["shm-N"] == pm[N]
 
 
-# --------------------------------------------------------------------------- 1. every phase, two tiers
+# --------------------------------------------------------------------------- 1. every phase, three tiers
 
 
 @pytest.mark.parametrize("phase", checkpointing.PHASES)
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", CRASH_TIERS)
 def test_crash_at_every_phase_then_recover_and_resume_is_bit_exact(cli, root, ref, tier, phase):
     pool = root / f"crash-{tier}-{phase}"
     crash = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:{phase}"])
     assert killed(crash), (crash.returncode, crash.stderr[-3000:])
     assert "crash injection: SIGKILL at step" in crash.stderr
+    status = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
 
     rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
     c, rolled = rep["committed_step"], rep["rolled_back_steps"]
+    direct = tier == "shm"
+    assert c == status["committed_step"]
     # right after recovery the pool is exactly an uninterrupted run stopped at the committed step
     assert rep["state_digest"] == R(ref, tier, c), (c, rolled)
-    # steps after the committed one, and only those, were rolled back, newest first
-    assert all(s > c for s in rolled) and rolled == sorted(rolled, reverse=True)
+    # exactly the steps that had records after the newest commit were rolled back, newest first
+    assert rolled == sorted(status["steps_to_roll_back"], reverse=True), (rolled, status)
+    assert rolled == (list(range(rolled[0], c, -1)) if rolled else []), (c, rolled)
     if phase == "after-commit":
         assert c == K and rolled == []
-    elif phase in BEFORE_COMMIT:
-        assert c < K
-        last_logged = K - 1 if phase in NOT_LOGGED else K
-        assert rolled == list(range(last_logged, c, -1)), (c, rolled)
+    elif phase in IN_COMMIT:
+        assert c == K - 1 and rolled == [K]
+    elif phase in PRE_COMMIT:
+        assert c in (K - 1, K - 2), c
+        if direct and phase != "before-log":
+            # step K's undo records were appended (after step K-1's commit, by the same writer)
+            assert c == K - 1 and rolled == [K]
+        else:
+            # no record of step K yet (journaled tiers write a step's rows at its commit);
+            # step K-1 is rolled back only if its commit was still in flight
+            assert set(rolled) <= {K - 1} and (c == K - 2 or rolled == [])
     else:  # random: some moment of step K (or just after it)
         assert c < N
-        assert rolled == (list(range(rolled[0], c, -1)) if rolled else [])
-    assert (rep["rows_restored"] > 0) == bool(rolled)
+    if direct:
+        assert (rep["rows_restored"] > 0) == bool(rolled)
+    else:  # the rows of unfinished steps never reached durable media: nothing to restore
+        assert rep["rows_restored"] == 0
+        assert all("never reached durable media" in a for a in rep["actions"] if a.startswith("rolled back"))
     assert rep["needed"] == bool(rolled)
-    if phase == "mid-dense":  # the snapshot being written when it died is cleaned up
-        assert any(a.startswith("removed unfinished .dense-") for a in rep["actions"]), rep["actions"]
-    assert not list(ckpt_dir(pool).glob(".*.tmp"))
-    assert [p.name for p in ckpt_dir(pool).glob("dense-*.pt")] == [f"dense-{c:012d}.pt"]
+    if rolled:  # the unfinished transaction (mid-dense: its dense state too) is dropped
+        assert any(a.startswith("dropped") and "unfinished journal records" in a for a in rep["actions"]), \
+            rep["actions"]
+    check_clean_journal(pool, c)
+    assert not list(ckpt_dir(storage_dir(pool)).glob(".*.tmp"))
 
     # the same command without --crash-at continues from the committed step
     res = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N])
@@ -187,9 +275,9 @@ def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root,
         deadline = time.monotonic() + 120
         while run.proc.poll() is None and time.monotonic() < deadline:
             try:
-                if read_commit(ckpt_dir(pool))["step"] >= 2:
+                if max(committed_steps(pool), default=-1) >= 2:
                     break
-            except Exception:  # COMMIT is replaced atomically, but be tolerant while polling
+            except Exception:  # the journal is being appended to: be tolerant while polling
                 pass
             time.sleep(0.005)
         time.sleep(random.Random(f"external-{tier}").uniform(0.0, 0.1))
@@ -203,6 +291,7 @@ def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root,
     assert 2 <= c < N_EXT, rep
     assert rep["state_digest"] == ref_at(tier, c)
     assert all(s > c for s in rep["rolled_back_steps"])
+    check_clean_journal(pool, c)
 
     res = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N_EXT])  # the same command again
     assert f"step {c} -> {N_EXT}" in res.stdout, res.stdout
@@ -212,38 +301,59 @@ def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root,
 # --------------------------------------------------------------------------- 3. recovery is crash-safe
 
 
+def _multi_step_crash(cli, pool: Path, tier: str) -> None:
+    """Kill at step 7 with --dense-every 4: steps 5, 6, 7 after the commit of step 4."""
+    r = cli.run(["train", "--pool", pool, *flags(tier, "--dense-every", 4), "--steps", N,
+                 "--crash-at", "7:after-update"])
+    assert killed(r), r.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def multi_step_crash(cli, root):
-    """Per tier: a pool killed at step 7 with --dense-every 4 (several steps to roll back), and
-    the report of a clean recovery of a copy of it."""
+    """Per journaled tier: a pool killed at step 7 with --dense-every 4 (several steps after the
+    commit), and the report of a clean recovery of a copy of it. (shm pools cannot be copied:
+    their region is named after the pool; see _clean_shm_recovery.)"""
     out = {}
     for tier in TIERS:
         pool = root / f"multi-{tier}"
-        r = cli.run(["train", "--pool", pool, *flags(tier, "--dense-every", 4), "--steps", N,
-                     "--crash-at", "7:after-update"])
-        assert killed(r), r.stderr[-3000:]
+        _multi_step_crash(cli, pool, tier)
         clean = copy_pool(pool, root / f"multi-{tier}-clean")
         out[tier] = (pool, as_json(cli.run(["recover", "--pool", clean, "--json"])))
-        assert len(out[tier][1]["rolled_back_steps"]) >= 2, out[tier][1]
+        assert out[tier][1]["committed_step"] == 4 and out[tier][1]["rolled_back_steps"], out[tier][1]
     return out
 
 
-@pytest.mark.parametrize("rphase", ["mid-rollback", "before-invalidate"])
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier,rphase", [("shm", "mid-rollback"), ("shm", "before-invalidate"),
+                                         ("pmem", "before-invalidate"), ("power-sim", "before-invalidate")])
 def test_crash_during_recovery_then_recover_again_equals_a_clean_recovery(cli, root, ref, multi_step_crash,
                                                                           tier, rphase):
-    src, clean = multi_step_crash[tier]
-    pool = copy_pool(src, root / f"rcrash-{tier}-{rphase}")
+    """(mid-rollback kills after the first undo record is applied: only the direct tier applies
+    any; on the journaled tiers recovery restores no rows, and drops the records at the end.)"""
+    if tier == "shm":
+        clean_pool = root / f"rcrash-{tier}-{rphase}-clean"
+        _multi_step_crash(cli, clean_pool, tier)
+        clean = as_json(cli.run(["recover", "--pool", clean_pool, "--json"]))
+        assert clean["committed_step"] == 4 and clean["rolled_back_steps"] == [7, 6, 5], clean
+        assert clean["rows_restored"] > 0
+        pool = root / f"rcrash-{tier}-{rphase}"
+        _multi_step_crash(cli, pool, tier)
+    else:
+        src, clean = multi_step_crash[tier]
+        pool = copy_pool(src, root / f"rcrash-{tier}-{rphase}")
     r = cli.run(["recover", "--pool", pool, "--crash-at", rphase])
     assert killed(r), (r.returncode, r.stderr)
     assert "crash injection: SIGKILL at recovery" in r.stderr
     status = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
-    assert status["needs_recovery"] and status["steps_to_roll_back"] == sorted(clean["rolled_back_steps"])
+    assert status["steps_to_roll_back"] == sorted(clean["rolled_back_steps"])
+    if tier == "shm":
+        assert status["needs_recovery"]
 
     again = as_json(cli.run(["recover", "--pool", pool, "--json"]))
     assert again["committed_step"] == clean["committed_step"]
     assert again["rolled_back_steps"] == clean["rolled_back_steps"]
+    assert again["rows_restored"] == clean["rows_restored"]
     assert again["state_digest"] == clean["state_digest"] == R(ref, tier, clean["committed_step"])
+    check_clean_journal(pool, clean["committed_step"])
 
     # idempotent: a second recovery finds nothing to do and changes nothing
     before = pool_files(pool)
@@ -256,71 +366,61 @@ def test_crash_during_recovery_then_recover_again_equals_a_clean_recovery(cli, r
 # --------------------------------------------------------------------------- 4. damage
 
 
-@pytest.fixture(scope="module")
-def uncommitted(cli, root):
-    """A pmem pool killed in the middle of step K's in-place update: step K's undo slot is sealed
-    and not committed, and some of its rows have changed."""
-    pool = root / "uncommitted"
-    r = cli.run(["train", "--pool", pool, *flags("pmem"), "--steps", N, "--crash-at", f"{K}:mid-update"])
+def crashed_mid_update(cli, pool: Path, tier: str = "shm") -> Path:
+    """A pool killed in the middle of step K's in-place update. On shm the journal's tail holds
+    step K's undo records (which recovery must apply: some of its rows have changed)."""
+    r = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:mid-update"])
     assert killed(r), r.stderr[-3000:]
     return pool
 
 
-def _newest_uncommitted_slot(pool: Path):
-    d = ckpt_dir(pool)
-    c = read_commit(d)["step"]
-    slots = [s for s in scan_slots(d / "undo") if s.state == "sealed" and s.step > c]
-    assert slots, "the crash left no uncommitted sealed slot"
-    return max(slots, key=lambda s: s.step)
-
-
-def _flip(path: Path, offset: int, mask: int = 0x10) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ mask]))
-
-
 def damage(pool: Path, kind: str) -> str:
-    """Damage ``pool`` one way; returns the name of the damaged file."""
-    d = ckpt_dir(pool)
-    if kind in ("record-bit-flip", "slot-truncated", "seal-cut-off", "seal-bit-flip"):
-        s = _newest_uncommitted_slot(pool)
-        if kind == "record-bit-flip":    # inside the before-image bytes of the last record
-            _flip(s.path, PAYLOAD_OFFSET + s.payload_len - 5)
-        elif kind == "slot-truncated":   # half of the payload gone
-            os.truncate(s.path, PAYLOAD_OFFSET + s.payload_len // 2)
-        elif kind == "seal-cut-off":     # the file cut inside its seal
-            os.truncate(s.path, 20)
-        else:                            # a bit of the step number in the seal
-            _flip(s.path, 8, 0x01)
-        return s.path.name
-    if kind == "dense-bit-flip":
-        name = read_commit(d)["dense_file"]
-        _flip(d / name, (d / name).stat().st_size // 2)
-        return name
-    if kind == "dense-missing":
-        name = read_commit(d)["dense_file"]
-        (d / name).unlink()
-        return name
-    if kind == "commit-bit-flip":
-        raw = (d / "COMMIT").read_bytes()
-        _flip(d / "COMMIT", raw.index(b"\"step\": ") + 8, 0x01)  # a digit of the step number
-        return "COMMIT"
-    if kind == "commit-missing":
-        (d / "COMMIT").unlink()
-        return "COMMIT"
+    """Damage ``pool``'s journal one way; returns what the error message must name."""
+    j = read_journal(pool)
+    commits = [t for t in j.txns if is_commit(t)]
+    newest, older = commits[-1], commits[-2]
+    undo = [r for r in j.tail if r.type == RecordType.UNDO]
+    assert len(undo) >= 3 and newest.tag == K - 1, "the crash left no unfinished step with undo records"
+    if kind == "undo-payload-bit-flip":        # an undo record of the unfinished step, valid ones after it
+        _flip_payload(undo[0])
+        return f"record {undo[0].seq}"
+    if kind == "undo-header-bit-flip":         # its header (the seq field), valid records after it
+        flip(undo[0].segment, undo[0].offset + 9, 0x01)
+        return f"at byte {undo[0].offset}"
+    if kind == "dense-bit-flip":               # the dense state of the newest commit
+        (d,) = [r for r in newest.records if r.type == RecordType.DENSE]
+        _flip_payload(d)
+        return f"dense state of step {newest.tag}"
+    if kind == "dense-cut-out":                # ... removed from the journal
+        (d,) = [r for r in newest.records if r.type == RecordType.DENSE]
+        cut(d.segment, d.offset, d.payload_offset + d.length)
+        return f"at byte {d.offset}"
+    if kind == "end-header-bit-flip":          # a commit record that is not the newest
+        flip(older.end.segment, older.end.offset + 17, 0x01)
+        return f"at byte {older.end.offset}"
+    if kind == "end-payload-bit-flip":         # its commit document
+        _flip_payload(older.end)
+        return f"at byte {older.end.offset}"
+    if kind == "newest-end-cut-out":           # the newest commit record removed: a hole before undo records
+        cut(newest.end.segment, newest.end.offset, newest.end.payload_offset + newest.end.length)
+        return f"at byte {newest.end.offset}"
+    if kind == "segment-header-bit-flip":
+        flip(newest.end.segment, 12, 0x01)
+        return newest.end.segment.name
     raise AssertionError(kind)
 
 
-DAMAGE = ["record-bit-flip", "slot-truncated", "seal-cut-off", "seal-bit-flip", "dense-bit-flip",
-          "dense-missing", "commit-bit-flip", "commit-missing"]
+def _flip_payload(ref) -> None:
+    flip(ref.segment, ref.payload_offset + ref.length // 2)
+
+
+DAMAGE = ["undo-payload-bit-flip", "undo-header-bit-flip", "dense-bit-flip", "dense-cut-out",
+          "end-header-bit-flip", "end-payload-bit-flip", "newest-end-cut-out", "segment-header-bit-flip"]
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damage_is_detected_with_a_clear_error_and_changes_nothing(cli, root, uncommitted, kind):
-    pool = copy_pool(uncommitted, root / f"damage-{kind}")
+def test_damage_is_detected_with_a_clear_error_and_changes_nothing(cli, root, kind):
+    pool = crashed_mid_update(cli, root / f"damage-{kind}")
     name = damage(pool, kind)
     before = pool_files(pool)
 
@@ -332,27 +432,76 @@ def test_damage_is_detected_with_a_clear_error_and_changes_nothing(cli, root, un
     dry = cli.run(["recover", "--pool", pool, "--dry-run"])
     assert dry.returncode == 4 and name in dry.stderr, (dry.returncode, dry.stderr)
 
-    with pytest.raises(RecoveryError) as e:
+    with pytest.raises(PoolCorruptError) as e:
         checkpointing.recover(pool)
-    assert name in str(e.value)
+    assert name in str(e.value) and e.value.exit_code == 4
     assert pool_files(pool) == before
 
     # and the trainer refuses too (instead of training on top of the damage)
-    t = cli.run(["train", "--pool", pool, *flags("pmem"), "--steps", N])
+    t = cli.run(["train", "--pool", pool, *flags("shm"), "--steps", N])
     assert t.returncode == 4, (t.returncode, t.stderr[-3000:])
     assert name in t.stderr and "Traceback" not in t.stderr, t.stderr
     assert pool_files(pool) == before
 
 
-def test_damage_to_a_committed_steps_slot_is_harmless(cli, root, ref):
-    """Records of steps at or before COMMIT are never read: damage there changes no outcome."""
-    pool = copy_pool(root / "ref-fresh", root / "damage-committed-slot")  # N steps, cleanly finished
-    c = read_commit(ckpt_dir(pool))["step"]
-    old = [s for s in scan_slots(ckpt_dir(pool) / "undo") if s.state == "sealed"]
-    assert c == N and old and all(s.step <= c for s in old)
-    _flip(old[0].path, PAYLOAD_OFFSET + old[0].payload_len - 5)
+@pytest.mark.parametrize("tier,phase,how", [("shm", "mid-log", "truncated"), ("pmem", "mid-dense", "truncated"),
+                                            ("power-sim", "before-commit", "truncated"),
+                                            ("power-sim", "before-commit", "bit-flip")])
+def test_damage_only_in_the_unfinished_tail_is_a_torn_tail(cli, root, ref, tier, phase, how):
+    """A crash tears the unfinished transaction's records in any order: its end cut off (any
+    tier), or a bad record with valid ones after it (journaled tiers: none of it was ever
+    needed). Recovery succeeds at the newest commit and training resumes bit-exact. (shm at
+    mid-log: step K's rows have not changed yet, so a lost undo record loses nothing.)"""
+    pool = root / f"torn-{tier}-{phase}-{how}"
+    r = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:{phase}"])
+    assert killed(r), r.stderr[-3000:]
+    j = read_journal(pool)
+    assert j.last.tag == K - 1 and len(j.tail) >= 2 and {r.tag for r in j.tail} == {K}
+    if how == "truncated":  # inside the last record of the unfinished transaction
+        last = j.tail[-1]
+        os.truncate(last.segment, last.payload_offset + last.length // 2)
+    else:
+        first = j.tail[0]
+        flip(first.segment, first.payload_offset + first.length // 2)
+
     rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
-    assert rep["committed_step"] == c and not rep["needed"] and rep["state_digest"] == ref["stepped"]["pmem"][c]
+    assert rep["committed_step"] == K - 1 and rep["state_digest"] == R(ref, tier, K - 1), rep
+    assert set(rep["rolled_back_steps"]) <= {K}
+    check_clean_journal(pool, K - 1)
+    res = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N])
+    assert f"step {K - 1} -> {N}" in res.stdout, res.stdout
+    assert digest_of(res) == R(ref, tier, N)
+
+
+def test_damage_to_records_recovery_never_reads_is_harmless(cli, root, ref):
+    """shm: undo records of committed steps are never applied again: damage there changes no
+    outcome."""
+    pool = root / "damage-committed-undo"
+    assert digest_of(cli.run(["train", "--pool", pool, *flags("shm"), "--steps", N])) == R(ref, "shm", N)
+    j = read_journal(pool)
+    old = [r for t in j.txns if is_commit(t) and 0 < t.tag < N for r in t.records if r.type == RecordType.UNDO]
+    assert old
+    _flip_payload(old[0])
+    rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
+    assert rep["committed_step"] == N and not rep["needed"] and rep["state_digest"] == R(ref, "shm", N)
+
+
+def test_damage_to_committed_rows_of_a_journaled_tier_is_refused(cli, root, ref):
+    """pmem: the rows of committed steps exist durably only in the journal until compaction:
+    they are replayed at every open, so a bad one is refused (exit 4), nothing changed."""
+    pool = copy_pool(root / "ref-fresh", root / "damage-committed-rows")  # N steps, cleanly finished
+    j = read_journal(pool)
+    rows = [r for t in j.txns if is_commit(t) for r in t.records if r.type == RecordType.ROWS]
+    assert rows
+    victim = rows[len(rows) // 2]
+    _flip_payload(victim)
+    before = pool_files(pool)
+    for argv in (["recover", "--pool", pool], ["inspect", "--pool", pool],
+                 ["train", "--pool", pool, *flags("pmem"), "--steps", N + 2]):
+        r = cli.run(argv)
+        assert r.returncode == 4, (argv, r.returncode, r.stderr[-2000:])
+        assert f"record {victim.seq}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert pool_files(pool) == before
 
 
 # --------------------------------------------------------------------------- 5. --checkpoint none
@@ -404,41 +553,65 @@ def test_checkpoint_none_clean_runs_resume_bit_exact(cli, root, ref):
 # --------------------------------------------------------------------------- 7. train recovers first
 
 
-@pytest.mark.parametrize("tier,as_json_output", [("pmem", False), ("power-sim", True)])
-def test_train_on_a_crashed_pool_recovers_first_and_says_so(cli, root, ref, tier, as_json_output):
-    pool = root / f"train-recovers-{tier}"
-    r = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:after-update"])
+def test_train_on_a_crashed_shm_pool_recovers_first_and_says_so(cli, root, ref):
+    pool = root / "train-recovers-shm"
+    r = cli.run(["train", "--pool", pool, *flags("shm"), "--steps", N, "--crash-at", f"{K}:after-update"])
     assert killed(r)
     status = as_json(cli.run(["inspect", "--pool", pool, "--json"]))["checkpoint"]
-    assert status["needs_recovery"] and K in status["steps_to_roll_back"]
+    assert status["needs_recovery"] and status["steps_to_roll_back"] == [K]
     c = status["committed_step"]
 
-    res = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, *(["--json"] if as_json_output else [])])
-    log = res.stderr if as_json_output else res.stdout
+    res = cli.run(["train", "--pool", pool, *flags("shm"), "--steps", N])
+    log = res.stdout
     assert "needs recovery" in log and "recovering" in log and f"recovered to step {c}" in log, log
-    if as_json_output:
-        doc = as_json(res)
-        assert doc["recovered"]["committed_step"] == c
-        assert doc["recovered"]["rolled_back_steps"] == sorted(status["steps_to_roll_back"], reverse=True)
-        assert doc["start_step"] == c and doc["end_step"] == N
-        assert doc["state_digest"] == R(ref, tier, N)
-    else:
-        assert digest_of(res) == R(ref, tier, N)
+    assert f"step {c} -> {N}" in log
+    assert digest_of(res) == R(ref, "shm", N)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_train_on_a_crashed_journaled_pool_drops_the_unfinished_step_and_resumes(cli, root, ref, tier):
+    """Killed inside step K's commit: the journal ends with step K's records and no END. The
+    next train resumes at K-1 (reporting what it rolled back, if it had to recover: 0 rows), and
+    step K's records never end up inside a later transaction."""
+    pool = root / f"train-recovers-{tier}"
+    r = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:mid-dense"])
+    assert killed(r)
+    status = as_json(cli.run(["inspect", "--pool", pool, "--json"]))["checkpoint"]
+    assert status["committed_step"] == K - 1 and status["steps_to_roll_back"] == [K]
+
+    doc = as_json(cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--json"]))
+    assert doc["start_step"] == K - 1 and doc["end_step"] == N
+    assert doc["state_digest"] == R(ref, tier, N)
+    if doc["recovered"] is not None:
+        assert doc["recovered"]["committed_step"] == K - 1
+        assert doc["recovered"]["rolled_back_steps"] == [K] and doc["recovered"]["rows_restored"] == 0
+    check_clean_journal(pool, N)
+    # every step from K-1 on was committed once, by the resumed run
+    steps = committed_steps(pool)
+    assert steps[steps.index(K - 1):] == list(range(K - 1, N + 1)), steps
 
 
 # --------------------------------------------------------------------------- 8. dry run
 
 
-def test_dry_run_changes_nothing_and_reports_what_it_would_roll_back(cli, root, ref, uncommitted):
-    pool = copy_pool(uncommitted, root / "dry-run")
+@pytest.mark.parametrize("tier,phase", [("shm", "mid-update"), ("power-sim", "mid-dense")])
+def test_dry_run_changes_nothing_and_reports_what_it_would_roll_back(cli, root, ref, tier, phase):
+    pool = root / f"dry-run-{tier}"
+    r = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:{phase}"])
+    assert killed(r), r.stderr[-3000:]
     before = pool_files(pool)
     status = as_json(cli.run(["inspect", "--pool", pool, "--json"]))["checkpoint"]
-    assert status["needs_recovery"] and status["steps_to_roll_back"]
+    assert status["steps_to_roll_back"] == [K]
+    if tier == "shm":
+        assert status["needs_recovery"]
 
     dry = as_json(cli.run(["recover", "--pool", pool, "--dry-run", "--json"]))
     assert dry["dry_run"] is True and dry["needed"] is True
     assert dry["rolled_back_steps"] == sorted(status["steps_to_roll_back"], reverse=True)
-    assert dry["rows_restored"] > 0 and dry["state_digest"] is None
+    if tier == "shm":
+        assert dry["rows_restored"] > 0 and dry["state_digest"] is None
+    else:
+        assert dry["rows_restored"] == 0
     assert all("would roll back" in a for a in dry["actions"])
     text = cli.run(["recover", "--pool", pool, "--dry-run"])
     assert text.returncode == 0 and "would be consistent at step" in text.stdout, text.stdout
@@ -451,7 +624,7 @@ def test_dry_run_changes_nothing_and_reports_what_it_would_roll_back(cli, root, 
     assert real["rolled_back_steps"] == dry["rolled_back_steps"]
     assert real["rows_restored"] == dry["rows_restored"]
     assert real["committed_step"] == dry["committed_step"] == status["committed_step"]
-    assert real["state_digest"] == ref["stepped"]["pmem"][real["committed_step"]]
+    assert real["state_digest"] == R(ref, tier, real["committed_step"])
     # on a consistent pool a dry run reports the digest inspect reports
     healthy = as_json(cli.run(["recover", "--pool", pool, "--dry-run", "--json"]))
     assert healthy["needed"] is False
@@ -475,9 +648,18 @@ def test_mid_update_fires_with_a_single_table_model(cli, root, tmp_path):
     assert killed(r), r.returncode
 
 
-def test_pool_killed_before_its_first_commit_gives_a_clear_error(cli, root):
+def test_pool_killed_before_its_first_commit_gives_a_clear_error(cli, root, ref):
     pool = root / "no-first-commit"
     digest_of(cli.run(["train", "--pool", pool, *flags("pmem"), "--steps", 0]))
-    (ckpt_dir(pool) / "COMMIT").unlink()  # what a kill between pool creation and COMMIT 0 leaves
+    # what a kill between pool creation and the commit of step 0 leaves: step 0's records
+    # without their END
+    first = next(t for t in read_journal(pool).txns if is_commit(t))
+    assert first.tag == 0
+    os.truncate(first.end.segment, first.end.offset)
+    assert committed_steps(pool) == []
     r = cli.run(["train", "--pool", pool, *flags("pmem"), "--steps", 2])
     assert r.returncode in (0, 3, 4) and "Traceback" not in r.stderr, r.stderr[-2000:]
+    if r.returncode:
+        assert "--fresh" in r.stderr, r.stderr[-2000:]
+    fresh = cli.run(["train", "--pool", pool, *flags("pmem"), "--steps", 2, "--fresh"])
+    assert digest_of(fresh) == R(ref, "pmem", 2)
