@@ -160,14 +160,17 @@ class UndoLogCheckpointer(Checkpointer):
         return {t.name: b for (t, _), b in zip(cur.touched, cur.before)}
 
     def _write_undo(self, k: int, names: list, before: list) -> int:
-        n = 0
-        half = len(names) // 2
-        for i, ((name, rows), b) in enumerate(zip(names, before)):
-            if i == half and self.crash is not None:
-                self.journal.flush()
-                self.crash.hit(k, "mid-log")
-            self._note_start(self.journal.append(RecordType.UNDO, k, encode_rows(name, rows, b)))
-            n += rows.numel() * 8 + b.numel() * b.element_size()
+        recs = [(RecordType.UNDO, k, encode_rows(name, rows, b)) for (name, rows), b in zip(names, before)]
+        n = sum(rows.numel() * 8 + b.numel() * b.element_size() for (_, rows), b in zip(names, before))
+        half = len(recs) // 2
+        if self.crash is not None and self.crash.step == k and self.crash.phase == "mid-log":
+            for ref in self.journal.append_many(recs[:half]):
+                self._note_start(ref)
+            self.journal.flush()
+            self.crash.hit(k, "mid-log")
+            recs = recs[half:]
+        for ref in self.journal.append_many(recs):
+            self._note_start(ref)
         # Write-ahead rule: durable before any row it covers changes in place.
         self.journal.flush()
         self.stats.log_bytes += n
@@ -257,9 +260,10 @@ class UndoLogCheckpointer(Checkpointer):
     def _write_txn(self, step: int, rows, dense) -> None:
         crash = self.crash if (self.crash is not None and self.crash.step == step) else None
         j = self.journal
-        for name, ids, r in rows or ():
-            self._note_start(j.append(RecordType.ROWS, step, encode_rows(name, ids, r)))
-            self.stats.table_bytes_persisted += ids.numel() * 8 + r.numel() * r.element_size()
+        if rows:
+            for ref in j.append_many([(RecordType.ROWS, step, encode_rows(name, ids, r)) for name, ids, r in rows]):
+                self._note_start(ref)
+            self.stats.table_bytes_persisted += sum(ids.numel() * 8 + r.numel() * r.element_size() for _, ids, r in rows)
         if dense is None:
             return
         parts, n = dense

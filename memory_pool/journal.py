@@ -48,6 +48,7 @@ import json
 import os
 import struct
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -176,9 +177,12 @@ def decode_rows(payload) -> tuple[str, torch.Tensor, torch.Tensor]:
     p += nlen
     if len(mv) != p + 8 * n + row_bytes * n:
         raise ValueError(f"row record of {len(mv)} bytes does not hold {n} rows of {row_bytes} bytes")
-    ids = torch.frombuffer(mv[p:p + 8 * n], dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
-    p += 8 * n
-    data = torch.frombuffer(mv[p:], dtype=torch.uint8).view(n, row_bytes) if n else torch.empty(0, row_bytes, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only mapping: callers copy what they keep
+        warnings.simplefilter("ignore", UserWarning)
+        ids = torch.frombuffer(mv[p:p + 8 * n], dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
+        p += 8 * n
+        data = (torch.frombuffer(mv[p:], dtype=torch.uint8).view(n, row_bytes) if n
+                else torch.empty(0, row_bytes, dtype=torch.uint8))
     return name, ids, data
 
 
@@ -338,6 +342,38 @@ class Journal:
                                       f"{ref.segment.name} fails its checksum (bit flip or foreign write)")
         return buf
 
+    def read_many(self, refs: Sequence[RecordRef]):
+        """Yield ``(ref, payload)`` for ``refs`` (in order), verified; each segment is mapped once
+        (replay and compaction read thousands of records: no open/read per record). Payloads
+        are views of the mapping: use them before the next one is yielded... or copy."""
+        import mmap
+
+        maps: dict[Path, mmap.mmap] = {}
+        try:
+            for ref in refs:
+                m = maps.get(ref.segment)
+                if m is None:
+                    with open(ref.segment, "rb") as f:
+                        m = maps[ref.segment] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                end = ref.payload_offset + ref.length
+                if end > len(m):
+                    raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
+                view = memoryview(m)[ref.payload_offset:end]
+                try:
+                    if google_crc32c.value(np.frombuffer(view, dtype=np.uint8)) != ref.crc:
+                        raise JournalCorruptError(
+                            f"journal record {ref.seq} ({RecordType(ref.type).name}) in {ref.segment.name} fails "
+                            f"its checksum (bit flip or foreign write)")
+                    yield ref, view
+                finally:
+                    view.release()
+        finally:
+            for m in maps.values():
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # a caller still holds a view; the mapping goes with it
+
     @property
     def last(self) -> TxnInfo | None:
         return self.txns[-1] if self.txns else None
@@ -435,6 +471,30 @@ class Journal:
         self.bytes_appended += REC.size + length
         self.tail.append(ref)
         return ref
+
+    def append_many(self, records: Sequence[tuple[int, int, Sequence]]) -> list[RecordRef]:
+        """Append several records ``(type, tag, parts)`` with one system call."""
+        seg = self._current()
+        bufs, refs, off = [], [], seg.size
+        for rtype, tag, parts in records:
+            length = sum(memoryview(p).nbytes for p in parts)
+            pcrc = crc32c(parts)
+            bufs.append(_rec_header(int(rtype), self.next_seq, tag, length, pcrc))
+            bufs.extend(parts)
+            refs.append(RecordRef(seg.path, off, int(rtype), self.next_seq, tag, length, pcrc))
+            off += REC.size + length
+            self.next_seq += 1
+        try:
+            _pwritev_all(self._fd, bufs, seg.size)
+        except OSError as exc:
+            self.next_seq -= len(refs)
+            raise_if_full(exc, f"appending to journal {seg.path}")
+        self.bytes_appended += off - seg.size
+        seg.size = off
+        if refs:
+            seg.last_seq = refs[-1].seq
+        self.tail.extend(refs)
+        return refs
 
     def flush(self) -> None:
         """Make every appended record durable (``fdatasync``): the write-ahead barrier."""

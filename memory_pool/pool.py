@@ -144,11 +144,10 @@ class MemoryPool:
     def _replay_plan(self) -> dict[str, list]:
         """ROWS records of every complete transaction, per table, in journal order."""
         plan: dict[str, list] = {}
-        for txn in self.journal.txns:
-            for ref in txn.records:
-                if ref.type == RecordType.ROWS:
-                    name, ids, raw = decode_rows(self.journal.read(ref))
-                    plan.setdefault(name, []).append((ids, raw))
+        refs = [r for txn in self.journal.txns for r in txn.records if r.type == RecordType.ROWS]
+        for ref, payload in self.journal.read_many(refs):
+            name, ids, raw = decode_rows(payload)
+            plan.setdefault(name, []).append((ids.clone(), raw.clone()))
         unknown = set(plan) - {t["name"] for t in self._header["tables"]}
         if unknown:
             raise PoolCorruptError(f"{self.path}: the journal holds rows of unknown tables {sorted(unknown)}")
@@ -195,10 +194,9 @@ class MemoryPool:
         """Compaction: write the ROWS of journal records back into the table images, newest
         value per row, sorted and coalesced; durable (fdatasync) before the records are dropped."""
         parts: dict[str, list] = {}
-        for ref in refs:
-            if ref.type == RecordType.ROWS:
-                name, ids, raw = decode_rows(self.journal.read(ref))
-                parts.setdefault(name, []).append((ids, raw))
+        for ref, payload in self.journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
+            name, ids, raw = decode_rows(payload)
+            parts.setdefault(name, []).append((ids.clone(), raw.clone()))
         for name, p in parts.items():
             region = self._tables[name]._region
             ids, raw = self._latest(p)

@@ -124,6 +124,15 @@ def read_journal(pool: Path) -> Journal:
     return Journal(journal_dir(pool), read_only=True)
 
 
+def journal_layout(pool: Path) -> list[str]:
+    """The journal's transactions and tail, for assertion messages."""
+    j = read_journal(pool)
+    out = [f"{t.tag}{'' if is_commit(t) else '(' + str(t.doc.get('kind')) + ')'}: "
+           f"{sorted({(RecordType(r.type).name, r.tag) for r in t.records})}" for t in j.txns]
+    return out + [f"tail: {sorted({(RecordType(r.type).name, r.tag) for r in j.tail})} torn {j.torn_bytes} "
+                  f"damage {j.tail_damage}"]
+
+
 def committed_steps(pool: Path) -> list[int]:
     return [t.tag for t in read_journal(pool).txns if is_commit(t)]
 
@@ -319,7 +328,8 @@ def multi_step_crash(cli, root):
         _multi_step_crash(cli, pool, tier)
         clean = copy_pool(pool, root / f"multi-{tier}-clean")
         out[tier] = (pool, as_json(cli.run(["recover", "--pool", clean, "--json"])))
-        assert out[tier][1]["committed_step"] == 4 and out[tier][1]["rolled_back_steps"], out[tier][1]
+        assert out[tier][1]["committed_step"] == 4 and out[tier][1]["rolled_back_steps"], \
+            (tier, out[tier][1], journal_layout(pool))
     return out
 
 

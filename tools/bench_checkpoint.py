@@ -57,9 +57,8 @@ import torch  # noqa: E402
 
 from bench_train import (PoolVariant, command_line, fmt_table, interleave, machine_line,  # noqa: E402
                          make_batches, median)
-from checkpointing import read_commit, read_dense, recover  # noqa: E402
+from checkpointing import committed_state, recover  # noqa: E402
 from checkpointing.baselines import FullSaveCheckpointer, IncrementalCheckpointer, durable_torch_save  # noqa: E402
-from checkpointing.store import ckpt_dir  # noqa: E402
 from dlrm_cxl.model import PRESETS  # noqa: E402
 from memory_pool import MemoryPool, destroy_pool  # noqa: E402
 from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
@@ -112,11 +111,9 @@ def crash_and_recover(pool: Path, preset: str, tier: str, reps: int, first_step:
 def save_full_model(pool_path: Path, out: Path) -> int:
     """torch.save (durably) of the recovered pool's model: every table + the committed dense state."""
     with MemoryPool.open(pool_path, read_only=True) as pool:
-        d = ckpt_dir(pool.storage_dir)
-        commit = read_commit(d)
-        dense = read_dense(d / commit["dense_file"], commit["dense_crc32"])
+        step, dense = committed_state(pool)
         tables = {n: pool.table(n).view() for n in pool.tables()}
-        return durable_torch_save({"step": commit["step"], "tables": tables, "dense": dense}, out)
+        return durable_torch_save({"step": step, "tables": tables, "dense": dense}, out)
 
 
 def time_torch_load(path: Path, reps: int) -> list[float]:

@@ -362,13 +362,19 @@ def main(argv=None) -> int:
     crit: dict[str, list[float]] = {v.name: [] for v in variants}
     wait: dict[str, list[float]] = {v.name: [] for v in variants}
     cpu: dict[str, list[float]] = {v.name: [] for v in variants}
+    durable: dict[str, list[float]] = {v.name: [] for v in variants}
+    device: dict[str, list[float]] = {v.name: [] for v in variants}
 
     def on_window(v, before, after, steps, dt):
         cpu[v.name].append((after["cpu_seconds"] - before["cpu_seconds"]) / steps)
         if "critical_seconds" not in before:
             return
         crit[v.name].append((after["critical_seconds"] - before["critical_seconds"]) / steps)
-        wait[v.name].append((after["log_wait_seconds"] - before["log_wait_seconds"]) / steps)
+        wait[v.name].append((after.get("commit_wait_seconds", 0) - before.get("commit_wait_seconds", 0)
+                             + after["log_wait_seconds"] - before["log_wait_seconds"]) / steps)
+        d = sum(after[k] - before[k] for k in ("log_bytes", "table_bytes_persisted", "dense_bytes"))
+        durable[v.name].append(d / steps)
+        device[v.name].append((after["io_write_bytes"] - before["io_write_bytes"]) / steps)
 
     try:
         for v in variants:
@@ -399,15 +405,21 @@ def main(argv=None) -> int:
             f"{100 * (m / base - 1):+.1f}%" if v.name.endswith("/undo") and base == base else "",
             f"{1e3 * median(crit[v.name]):.1f}" if crit[v.name] else "",
             f"{1e3 * median(wait[v.name]):.1f}" if wait[v.name] else "",
-            f"{1e3 * median(v.drain_seconds):.0f}" if v.drain_seconds else ""])
+            f"{1e3 * median(v.drain_seconds):.0f}" if v.drain_seconds else "",
+            f"{median(durable[v.name]) / 1e6:.2f}" if durable[v.name] and median(durable[v.name]) else "",
+            f"{median(device[v.name]) / 1e6:.2f}" if device[v.name] and median(durable[v.name]) else "",
+            f"{sum(device[v.name]) / sum(durable[v.name]):.2f}" if durable[v.name] and sum(durable[v.name]) else ""])
     print()
     print(f"# load avg at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(fmt_table(["variant", "samples/s (median)", "min-max", "ms/step", "vs torchrec", "CPU ms/step", "undo vs none",
-                     "ckpt critical ms/step", "log wait ms/step", "drain ms/window"], rows))
+                     "ckpt critical ms/step", "wait ms/step", "drain ms/window", "durable MB/step",
+                     "device MB/step", "WA"], rows))
     print("\nvs torchrec: ratio of medians. CPU ms/step: process user+sys CPU per step, all threads (less "
           "sensitive to other load than wall time). undo vs none: same tier. ckpt critical: main-thread time in the "
-          "checkpointer (log_wait is part of it). drain: end-of-window wait for background checkpoint work "
-          "(counted in the window's time).")
+          "checkpointer (wait is part of it: for the undo log, and for the previous step to be durable). drain: "
+          "end-of-window wait for background checkpoint work (counted in the window's time). durable: touched "
+          "rows + dense state made durable; device: /proc/self/io write_bytes (page-granular, all threads, "
+          "compaction included when it ran); WA = device / durable over all windows.")
     if a.json:
         a.json.write_text(json.dumps({"command": command_line(), "machine": machine_line(), "preset": a.preset,
                                       "batch_size": cfg.batch_size, "samples_per_s": res,

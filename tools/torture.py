@@ -9,7 +9,9 @@
 Every kill is a real ``SIGKILL`` sent by this script to a real trainer process (not
 ``--crash-at``: the trainer does not know when it dies).
 
-Long mode (the acceptance run; ~10 minutes on a quiet 2-core machine)::
+``--trials M`` counts mid-run trials in all, split evenly over the tiers.
+
+Long mode (the acceptance run; about 5 minutes on a quiet 2-core machine)::
 
     python tools/torture.py --trials 200 --tiers pmem,power-sim,shm
 
@@ -84,8 +86,8 @@ uses. ``DLRM_CXL_TEST_FRESH=1`` makes :class:`Cli` use a fresh ``python -m dlrm_
 for every command.
 """
 
-from __future__ import annotations
-
+# (no `from __future__ import annotations`: the test-suite loads this file with importlib without
+# registering it in sys.modules, and dataclasses with string annotations need that)
 import argparse
 import contextlib
 import io
@@ -174,6 +176,12 @@ def _serve() -> int:
     import dlrm_cxl.trainer  # noqa: F401
     with contextlib.suppress(ImportError):
         import tqdm  # noqa: F401  (the trainer's progress bar, with the environment's settings)
+    import gc
+
+    # The imports' objects never die: without this, each child's first full collection walks them
+    # all (~0.2 s, around step 10 of a tiny run), and many kills would land in that one pause.
+    gc.collect()
+    gc.freeze()
 
     chan = os.fdopen(os.dup(1), "w", buffering=1)
     chan.write(json.dumps({"ready": os.getpid()}) + "\n")
@@ -378,6 +386,8 @@ class _Forked:
                 os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
+        if not self._locked:  # already waited for
+            return self.returncode
         try:
             if self.returncode is None:
                 self.returncode = self.server._read((timeout or self.timeout) + 60)["rc"]
@@ -660,13 +670,12 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
         if steps - committed < fresh_below:
             _remove_pool(pool)  # too little left to kill in: start over on a fresh pool
             committed = 0
-        # Uniform over about the time the remaining steps take: the step time the trainers' own
-        # progress bars reported (the uninterrupted run's until there are some).
+        # Uniform over about the time the remaining steps take, from about two steps in (a kill
+        # before the run's first step has completed proves less), so that nearly every kill lands
+        # inside a step. The step time: what the trainers' own progress bars reported; until there
+        # is some, half the uninterrupted run's (it may have shared the CPUs with other references).
         if rates:
             step_s = sorted(rates[-7:])[len(rates[-7:]) // 2]
-        # (the uninterrupted run may have shared the CPUs with the other references: halve it)
-        # From about two steps in (a kill before the run's first step has completed proves less),
-        # so that nearly every kill lands inside a step of the run.
         hi = (0.9 if rates else 0.5) * (steps - committed) * step_s
         delay = rnd.uniform(min(2 * step_s, hi / 2), hi)
         run = runner.spawn(train, timeout=600)
@@ -689,8 +698,8 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
         if rate:
             rates.append(rate)
         what = "after end (not counted)" if kill.after_end else f"trial {len(res.trials)}/{trials}"
-        log(f"[{tier}] {what}: killed +{delay * 1e3:.0f} ms (step {step_s * 1e3:.1f} ms) after the banner, run from step {kill.start_step}, "
-            f"{kill.completed} completed; recovered to step {kill.committed} (report: rolled back "
+        log(f"[{tier}] {what}: killed +{delay * 1e3:.0f} ms after the banner (~{step_s * 1e3:.1f} ms/step), run "
+            f"from step {kill.start_step}, {kill.completed} completed; recovered to step {kill.committed} (report: rolled back "
             f"{kill.rolled_back_steps}, {kill.rows_restored} rows restored); rolled back {kill.rolled_back} "
             f"step(s) {kill.lost_steps}: "
             + ("bit-exact" if kill.bit_exact else f"DIVERGED: {kill.problem}"))
@@ -744,6 +753,8 @@ def _judge(kill: Kill, run, runner: Cli, pool: Path, ref: dict, steps: int, comm
     kill.lost_steps = sorted(set(kill.rolled_back_steps) | set(range((c or 0) + 1, kill.reached + 1)))
     if c is None:
         return "recovery found no committed step"
+    if c >= steps:  # every step was committed: the kill came during shutdown
+        kill.after_end = True
     if c < committed_before:
         return f"recovered to step {c}, older than the step {committed_before} recovered before (a commit was lost)"
     if kill.start_step is not None and c < kill.start_step:
@@ -761,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trials", type=int, help="mid-run kills to survive on each tier")
+    p.add_argument("--trials", type=int, help="mid-run kills to survive, in all (split evenly over the tiers)")
     p.add_argument("--steps", type=int, default=40, help="steps of the run (default 40)")
     p.add_argument("--tiers", help=f"comma-separated tiers (default pmem; --quick: {','.join(QUICK_TIERS)})")
     p.add_argument("--tier", choices=TIERS, help="one tier (the same as --tiers TIER)")
@@ -780,7 +791,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CI: power-sim, pmem, shm; 3 trials each, 30 steps, tiny")
     a = p.parse_args(argv)
     if a.quick:
-        a.trials = a.trials or 3
         a.steps = 30
         a.preset = "tiny"
         a.tiers = a.tiers or ",".join(QUICK_TIERS)
@@ -788,8 +798,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in tiers if t not in TIERS]
     if bad:
         p.error(f"unknown tier(s) {bad}; choose from {', '.join(TIERS)}")
-    if not a.trials or a.trials < 1:
-        p.error("--trials M (>= 1) or --quick is required")
+    if a.quick:
+        a.trials = a.trials or 3 * len(tiers)
+    if not a.trials or a.trials < len(tiers):
+        p.error("--trials M (at least one per tier) or --quick is required")
     if a.steps < 4:
         p.error("--steps must be >= 4")
     keep = a.pool_dir is not None
@@ -805,8 +817,9 @@ def main(argv: list[str] | None = None) -> int:
             full[tier] = start_uninterrupted(Path(root) / tier / "uninterrupted", a.steps, _flags(
                 tier=tier, preset=a.preset, seed=a.seed, dense_every=a.dense_every, threads=a.threads))
         runner = Cli(fresh=a.fresh_processes, env=BAR_ENV)
-        for tier in tiers:
-            results.append(torture_tier(runner, trials=a.trials, steps=a.steps, tier=tier, preset=a.preset,
+        for i, tier in enumerate(tiers):
+            n = a.trials // len(tiers) + (i < a.trials % len(tiers))  # --trials in all, split over the tiers
+            results.append(torture_tier(runner, trials=n, steps=a.steps, tier=tier, preset=a.preset,
                                         seed=a.seed, pool_dir=Path(root) / tier, dense_every=a.dense_every,
                                         threads=a.threads, fresh_left=a.fresh_left, log=log,
                                         uninterrupted=full[tier]))

@@ -45,8 +45,6 @@ back >= 1 step (P%), E after end (not counted)``. Exit status 0 only when nothin
 every trial ran, and the rolled-back fraction is met; 2 when the reference job fails.
 """
 
-from __future__ import annotations
-
 import argparse
 import bisect
 import contextlib
