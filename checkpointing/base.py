@@ -11,8 +11,10 @@ Call order for step ``k`` (each once, in this order — after torch.distributed.
     update(fn)                      # fn() changes the rows in place
     commit(k)                       # step k is done; may snapshot dense state (async)
 
-or, py-lmdb style, ``with ckpt.step(k) as s:`` — leaving the block commits; an exception rolls
-the step's rows back to their before-images (in memory) and re-raises.
+or, py-lmdb style, ``with ckpt.step(k) as s:`` — leaving the block commits; an exception puts the
+step's rows back to their before-images where it has them (direct tiers) and re-raises. On a
+journaled tier the changed rows live only in the process's volatile working copy: the pool on
+media is still at the last commit, and the checkpointer refuses further steps (reopen the pool).
 """
 
 from __future__ import annotations

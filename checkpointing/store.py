@@ -126,7 +126,7 @@ def unpack_dense(payload) -> dict:
             raw = torch.frombuffer(bytearray(data[off:off + nbytes]), dtype=torch.uint8) if nbytes else \
                 torch.empty(0, dtype=torch.uint8)
             tensors.append(raw.view(dt).reshape(shape) if nbytes else torch.empty(shape, dtype=dt))
-    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, struct.error) as exc:
         raise PoolCorruptError(f"dense state record is malformed: {exc}") from None
 
     def build(x):

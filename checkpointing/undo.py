@@ -286,7 +286,7 @@ class UndoLogCheckpointer(Checkpointer):
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        if self.journal.live_bytes < self.compact_bytes:
+        if self.journal.live_bytes < self.compact_bytes or self.pool.compacting:
             return
         keep = min(self._durable_commit, self._released) if self.coordinator is not None else self._durable_commit
         with self._lock:
@@ -294,6 +294,9 @@ class UndoLogCheckpointer(Checkpointer):
             for s in [s for s in self._txn_start if s < keep]:
                 del self._txn_start[s]
         if seq is not None:
+            # (writer thread, between transactions) a new segment first: the one being appended
+            # to is never reclaimed, and segments may be larger than the threshold.
+            self.journal.rotate()
             self.pool.compact(seq, wait=False)
 
     def _release(self) -> None:

@@ -527,8 +527,10 @@ class Journal:
 
     def rotate(self) -> None:
         """Start a new segment (after an END), so that everything before it can be reclaimed."""
+        if self.read_only or not self._tail_clean:
+            return
         with self._lock:
-            if self._fd is not None and self._segs and self._segs[-1].last_seq >= 0 and not self.tail:
+            if self._segs and self._segs[-1].last_seq >= 0 and not self.tail:
                 self._new_segment()
 
     def reclaim(self, before_seq: int, absorb: Callable[[list[RecordRef]], None] | None = None) -> int:

@@ -251,6 +251,11 @@ class MemoryPool:
                 out[i] = part
         return out
 
+    @property
+    def compacting(self) -> bool:
+        """A background compaction is running."""
+        return self._compaction is not None and not self._compaction.done()
+
     def wait_compaction(self) -> None:
         """Wait for a background compaction, if one is running (and raise its error)."""
         if self._compaction is not None:
@@ -360,13 +365,9 @@ class MemoryPool:
             lock_fd = cls._lock(path, shared=True) if consistent else None
         else:
             lock_fd = cls._lock(path)
-        try:
-            return cls(path, header, read_only=read_only, lock_fd=lock_fd,
-                       dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
-        except BaseException:
-            if lock_fd is not None:
-                os.close(lock_fd)
-            raise
+        # On failure __init__ closes what it opened, the lock included.
+        return cls(path, header, read_only=read_only, lock_fd=lock_fd,
+                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
 
     @staticmethod
     def _lock(path: Path, *, shared: bool = False) -> int | None:

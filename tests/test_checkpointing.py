@@ -38,14 +38,6 @@ sys.modules[_spec.name] = torture  # (its dataclasses look their module up while
 _spec.loader.exec_module(torture)
 
 
-@pytest.fixture(scope="module")
-def cli():
-    """Runs the CLI in real processes forked from one warm interpreter (tools/torture.py)."""
-    c = torture.Cli()
-    yield c
-    c.close()
-
-
 def flags(tier="pmem", *extra) -> list[str]:
     return ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress", *map(str, extra)]
 
@@ -493,7 +485,9 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
         assert appended > 2 << 20, "the run must append well past the threshold for the test to mean anything"
         n, firsts, start = _journal_state(pool)
         live.append(n)
-        bound = (1 << 20) + 3 * dense_every * ck["bytes_durable_per_step"] + (256 << 10)
+        # The threshold, plus what is appended while a background compaction runs (at most about
+        # another threshold's worth), plus a few recovery intervals.
+        bound = 2 * (1 << 20) + 3 * dense_every * ck["bytes_durable_per_step"] + (256 << 10)
         assert n <= bound, (steps, n, bound, firsts)
         assert start > 0 and firsts and firsts[0] == start and len(firsts) <= 8, (start, firsts)
         # what is left is a consistent pool at the last step

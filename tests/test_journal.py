@@ -94,6 +94,22 @@ def test_committed_transactions_round_trip_with_tags_docs_and_payloads(tmp_path)
     assert len(segments(tmp_path)) == 1
 
 
+def test_append_many_writes_exactly_what_one_append_per_record_writes(tmp_path):
+    recs = [(RecordType.ROWS, 1, [payload(i, 50 + i)]) for i in range(5)] + [(RecordType.DENSE, 1, [b"d", b"ense"])]
+    one, many = Journal(tmp_path / "one"), Journal(tmp_path / "many")
+    singles = [one.append(*r) for r in recs]
+    batch = many.append_many(recs)
+    assert [(r.seq, r.offset, r.length, r.crc) for r in batch] == [(r.seq, r.offset, r.length, r.crc) for r in singles]
+    assert many.tail == batch and many.next_seq == one.next_seq == len(recs)
+    for j in (one, many):
+        j.end(1, {"step": 1})
+        j.close()
+    assert segments(tmp_path / "one")[0].read_bytes() == segments(tmp_path / "many")[0].read_bytes()
+    back = reopen(tmp_path / "many")
+    assert [bytes(p) for _, p in back.read_many(back.txns[0].records)] == \
+        [b"".join(parts) for _, _, parts in recs]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_row_payloads_round_trip_through_a_journal(tmp_path, dtype):
     g = torch.Generator().manual_seed(1)
@@ -346,6 +362,9 @@ def test_a_bit_flip_in_a_committed_payload_is_refused_when_read(tmp_path):
     assert [t.tag for t in back.txns] == [0, 1, 2]
     with pytest.raises(JournalCorruptError, match=f"record {victim.seq}.*checksum") as e:
         back.read(back.txns[1].records[1])
+    with pytest.raises(JournalCorruptError, match=f"record {victim.seq}.*checksum"):
+        for _ in back.read_many([r for t in back.txns for r in t.records]):  # (replay, compaction)
+            pass
     assert isinstance(e.value, PoolCorruptError) and e.value.exit_code == 4
     assert bytes(back.read(back.txns[1].records[0])) == payload(back.txns[1].records[0].seq)
     assert files(tmp_path) == before

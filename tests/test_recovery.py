@@ -65,14 +65,6 @@ PRE_COMMIT = ("before-log", "mid-log", "after-log", "mid-update", "after-update"
 IN_COMMIT = ("before-commit", "mid-dense")
 
 
-@pytest.fixture(scope="module")
-def cli():
-    """Runs the CLI in real processes forked from one warm interpreter (tools/torture.py)."""
-    c = torture.Cli()
-    yield c
-    c.close()
-
-
 def flags(tier: str, *extra) -> list[str]:
     return ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress", *map(str, extra)]
 
@@ -320,8 +312,8 @@ def _multi_step_crash(cli, pool: Path, tier: str) -> None:
 @pytest.fixture(scope="module")
 def multi_step_crash(cli, root):
     """Per journaled tier: a pool killed at step 7 with --dense-every 4 (several steps after the
-    commit), and the report of a clean recovery of a copy of it. (shm pools cannot be copied:
-    their region is named after the pool; see _clean_shm_recovery.)"""
+    commit), and the report of a clean recovery of a copy of it. (An shm pool cannot be copied:
+    its region is named after the pool. The shm cases crash two pools the same way instead.)"""
     out = {}
     for tier in TIERS:
         pool = root / f"multi-{tier}"
