@@ -118,6 +118,7 @@ class UndoLogCheckpointer(Checkpointer):
         self._pending_start: int | None = None   # first seq of the open transaction
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._closed = False
         ckpt_dir(pool.storage_dir).mkdir(parents=True, exist_ok=True)
 
     # -- crash injection
@@ -317,8 +318,15 @@ class UndoLogCheckpointer(Checkpointer):
         self.pool.wait_compaction()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.drain()
+            # A compaction skipped while another ran leaves the journal past its threshold: do
+            # it now, so a closed pool's journal is bounded (and the next open replays little).
+            self._writer.submit(self._maybe_compact).result()
+            self.pool.wait_compaction()
         finally:
             self._writer.shutdown(wait=True)
 
