@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-batches", type=int, default=4)
     t.add_argument("--checkpoint", choices=["undo", "none"], default="undo")
     t.add_argument("--dense-every", type=int, default=None,
-                   help="recovery point (dense snapshot + persisted rows) every N steps; default by tier: "
-                        "1 on shm, dram and real pmem, 10 on power-sim, 50 on emulated pmem (page-granular msync)")
+                   help="recovery point (dense snapshot + persisted rows) every N steps; default 1 (every "
+                        "step, on every tier: a crash loses at most the step in flight and the one before it)")
     t.add_argument("--crash-at", metavar="STEP:PHASE",
                    help=f"SIGKILL this process at STEP in PHASE ({', '.join(PHASES)})")
     t.add_argument("--crash-rank", type=int, default=0, help="with torchrun: the rank --crash-at kills")
@@ -187,16 +187,16 @@ def _print_json(obj) -> None:
 def _cmd_train(args) -> int:
     from checkpointing import parse_crash_at
 
-    from .trainer import Trainer, TrainOptions
-
     from .distributed import init_distributed, is_distributed_env, job_file, rank_dir
+    from .model_io import stored_config
+    from .trainer import Trainer, TrainOptions
 
     distributed = is_distributed_env()
     marker = job_file(args.pool) if distributed else Path(args.pool) / "pool.json"
     pool_exists = marker.exists() and not args.fresh
     stored_at = rank_dir(args.pool, 0) if distributed else args.pool
     cfg = model_config_from_args(args, default_preset=None if pool_exists else "small",
-                                 base=_stored_config(stored_at) if pool_exists else None)
+                                 base=stored_config(stored_at) if pool_exists else None)
     opts = TrainOptions(
         pool=args.pool, steps=args.steps, data=args.data, seed=args.seed, tier=args.tier, device=args.device,
         eval_every=args.eval_every, eval_batches=args.eval_batches, eval_data=args.eval_data,
@@ -354,65 +354,15 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
-class NeedsRecoveryError(DlrmCxlError):
-    """A crash left the pool between steps; eval/export would read a mix of two states."""
-
-    exit_code = 2
-
-
-def _stored_config(pool_path):
-    """The ModelConfig an existing pool was created with, or None (no trainer state)."""
-    from memory_pool import read_header
-
-    from .model import ModelConfig
-
-    model = read_header(Path(pool_path)).get("meta", {}).get("model")
-    return ModelConfig.from_dict(model) if model else None
-
-
-def _open_model(pool_path, read_only=True):
-    from checkpointing import checkpoint_status, committed_state
-    from memory_pool import MemoryPool, PoolFormatError
-
-    from checkpointing.job import is_job
-
-    from .model import ModelConfig, PoolDLRM
-
-    if is_job(pool_path):
-        raise PoolFormatError(f"{pool_path} is a job of several ranks (tables sharded across rank-*/ pools); "
-                              f"eval and export read a single-process pool",
-                              hint="inspect and recover take the job directory; train a single-process pool to export")
-    pool = MemoryPool.open(pool_path, read_only=read_only, consistent=read_only)
-    try:
-        if "model" not in pool.meta:
-            raise PoolFormatError(f"{pool_path} holds no model (no trainer state)")
-        status = checkpoint_status(pool)
-        if status["needs_recovery"]:
-            # Its rows may hold steps after the committed one: reading it now mixes two states.
-            raise NeedsRecoveryError(
-                f"{pool_path} needs recovery (uncommitted steps {status['steps_to_roll_back']}"
-                + ("; it was trained with --checkpoint none and interrupted" if status["trained_without_undo"]
-                   else "") + ")",
-                hint=("start over with `dlrm-cxl train --fresh`" if status["trained_without_undo"] else
-                      f"run `dlrm-cxl recover --pool {pool_path}` first (or `dlrm-cxl train`, which recovers)"))
-        cfg = ModelConfig.from_dict(pool.meta["model"])
-        model = PoolDLRM(cfg, pool)
-        step, state = committed_state(pool)
-        if state is not None:
-            model.load_state_dict(state["model"])
-    except BaseException:
-        pool.close()
-        raise
-    return pool, cfg, model
-
-
 def _cmd_eval(args) -> int:
     from .data import SyntheticData, make_data_source
-    from .trainer import HeldOutSynthetic, data_spec, evaluate
+    from .evaluation import HeldOutSynthetic, evaluate
+    from .model_io import open_model
+    from .options import data_spec
 
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
-    pool, cfg, model = _open_model(args.pool)
+    pool, cfg, model = open_model(args.pool)
     try:
         meta = pool.meta
         data = args.data or meta.get("data", "synthetic")
@@ -438,7 +388,9 @@ def _cmd_export(args) -> int:
 
     from memory_pool.durable import atomic_write
 
-    pool, cfg, model = _open_model(args.pool)
+    from .model_io import open_model
+
+    pool, cfg, model = open_model(args.pool)
     try:
         import io
 
@@ -451,57 +403,26 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def _load_torchrec_state(path: Path, cfg) -> dict:
-    """torch.load a TorchRec DLRM state_dict and check its tables against ``cfg`` before any
-    pool is created (ValueError naming the problem and, if one fits, the preset to pass)."""
-    import torch
-
-    from .model import PRESETS
-
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise ValueError(f"--state {path}: no such file") from None
-    except Exception as exc:  # torch.load's unpickler raises almost anything on a file that is not its own
-        raise ValueError(f"--state {path}: not a state_dict written by torch.save "
-                         f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"--state {path}: not a state_dict (a dict of tensors)")
-
-    def shapes(c):
-        return {f"sparse_arch.embedding_bag_collection.embedding_bags.{f}.weight": (n, c.embedding_dim)
-                for f, n in zip(c.feature_names, c.num_embeddings)}
-
-    have = {k: tuple(v.shape) for k, v in state.items() if k.startswith("sparse_arch.")}
-    if have != shapes(cfg):
-        fits = [name for name, c in sorted(PRESETS.items()) if have == shapes(c)]
-        bad = next((k for k in sorted(set(have) | set(shapes(cfg))) if have.get(k) != shapes(cfg).get(k)), None)
-        raise ValueError(
-            f"--state {path}: its embedding tables do not match the model config "
-            f"({bad}: {have.get(bad)} in the file, {shapes(cfg).get(bad)} expected)"
-            + (f"; pass --preset {fits[0]}" if fits else "; pass the --preset/--config it was exported with"))
-    return state
-
-
 def _cmd_import(args) -> int:
     from checkpointing import UndoLogCheckpointer
-    from memory_pool import MemoryPool, destroy_pool
+    from memory_pool import destroy_pool
 
     from .model import PoolDLRM
-    from .trainer import build_dense_optimizer, capture_dense_state, create_model_tables
+    from .model_io import load_torchrec_state
+    from .options import TrainOptions
+    from .provisioning import build_dense_optimizer, capture_dense_state, create_trainer_pool
 
     cfg = model_config_from_args(args)
-    state = _load_torchrec_state(args.state, cfg)
-    pool = MemoryPool.create(args.pool, tier=args.tier)
+    state = load_torchrec_state(args.state, cfg)
+    # The metadata of a pool that `train` made with the default --seed, --data and --zipf-alpha.
+    pool = create_trainer_pool(TrainOptions(pool=args.pool, steps=0, tier=args.tier), cfg)
     try:
-        create_model_tables(pool, cfg, 0)
         model = PoolDLRM(cfg, pool)
         try:
             model.import_torchrec(state)
         except (RuntimeError, KeyError) as exc:  # load_state_dict: keys or shapes of the dense part
             raise ValueError(f"{args.state} does not fit --preset {args.preset}: "
                              f"{str(exc).strip().splitlines()[0]}") from None
-        pool.set_meta(model=cfg.to_dict(), seed=0, data="synthetic", kind="dlrm-cxl-trainer")
         opt = build_dense_optimizer(cfg, model.parameters())
         ck = UndoLogCheckpointer(pool, lambda step: capture_dense_state(step, model, opt, None))
         ck.checkpoint_now(0)  # step 0 of the imported model is its first recovery point
@@ -630,7 +551,7 @@ def _cmd_gc(args) -> int:
 
 def _cmd_data(args) -> int:
     from .data import convert_tsv_to_zarr
-    from .trainer import data_spec
+    from .options import data_spec
 
     cfg = model_config_from_args(args)
     stats = convert_tsv_to_zarr(args.input, args.output, data_spec(cfg), chunk_rows=args.chunk_rows,
@@ -660,10 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hint: see `dlrm-cxl {args.command} --help` for the options and their values", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave that cannot be read or written
-        import errno
+        from memory_pool.durable import FULL_ERRNOS
 
         print(f"dlrm-cxl {args.command}: error: {exc}", file=sys.stderr)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if exc.errno in FULL_ERRNOS:
             print("hint: free disk space, or pass a smaller --capacity", file=sys.stderr)
             return 6
         if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):

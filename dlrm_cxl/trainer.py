@@ -8,215 +8,30 @@ after a crash ends at the same step with the same state.
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpointing import (CrashPlan, NoCheckpointer, UndoLogCheckpointer, checkpoint_status, committed_state,
-                           recover, state_digest)
-from checkpointing.job import is_job
-from memory_pool import ConfigMismatchError, MemoryPool, PoolFormatError, TrainingDivergedError, destroy_pool
+from checkpointing import CrashPlan, NoCheckpointer, UndoLogCheckpointer, committed_state, state_digest
+from memory_pool import PoolFormatError, TrainingDivergedError
 
-from .data import DataSpec, Prefetcher, SyntheticData, make_data_source
+from .data import Prefetcher, SyntheticData, make_data_source
+from .evaluation import EVAL_SEED_OFFSET, HeldOutSynthetic, evaluate
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
+from .options import TrainOptions, TrainSummary, data_spec, default_dense_every, validate_options
+from .provisioning import build_dense_optimizer, capture_dense_state, create_model_tables, open_training_pool
 
+# The names below moved to options.py, provisioning.py and evaluation.py; they stay importable
+# from here (tools and tests import them from dlrm_cxl.trainer).
 __all__ = ["TrainOptions", "Trainer", "TrainSummary", "evaluate", "open_training_pool", "data_spec",
            "build_dense_optimizer", "EVAL_SEED_OFFSET", "HeldOutSynthetic", "capture_dense_state",
            "create_model_tables", "default_dense_every"]
-
-EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches start here: same problem, batches training never reads
-
-
-class HeldOutSynthetic:
-    """Synthetic batches of the training distribution that training does not read.
-
-    The seed also fixes the true effects of the rows, so held-out data must use the training
-    seed; it starts at batch EVAL_SEED_OFFSET instead."""
-
-    def __init__(self, source: SyntheticData, first_batch: int = EVAL_SEED_OFFSET):
-        self.source, self.first_batch = source, first_batch
-
-    def iter_batches(self, position=None):
-        return self.source.iter_batches(position or {"batch": self.first_batch})
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    pool: str
-    steps: int
-    data: str = "synthetic"
-    seed: int = 0
-    tier: str = "auto"
-    device: str = "cpu"
-    eval_every: int = 0
-    eval_batches: int = 4
-    eval_data: str | None = None
-    checkpoint: str = "undo"           # undo | none
-    dense_every: int | None = None     # None: by tier, see default_dense_every
-    crash_at: tuple[int, str] | None = None
-    crash_rank: int = 0                # several ranks: which rank --crash-at kills
-    threads: int | None = None
-    skip_bad_lines: bool = False
-    capacity_bytes: int | None = None
-    dram_cache_bytes: int | None = None
-    fresh: bool = False
-    progress: bool = True
-    zipf_alpha: float = 1.05
-    kernel: str = "fused"              # fused (fbgemm TBE in place) | reference (see model.py)
-
-
-def validate_options(o: TrainOptions) -> None:
-    if not isinstance(o.steps, int) or o.steps < 0:
-        raise ValueError(f"--steps must be a non-negative integer, got {o.steps!r}")
-    if o.checkpoint not in ("undo", "none"):
-        raise ValueError(f"--checkpoint must be undo or none, got {o.checkpoint!r}")
-    if o.dense_every is not None and o.dense_every < 1:
-        raise ValueError(f"--dense-every must be >= 1, got {o.dense_every}")
-    if o.eval_every < 0 or o.eval_batches < 1:
-        raise ValueError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {o.eval_every}, {o.eval_batches}")
-    if o.device not in ("cpu", "cuda") and not o.device.startswith("cuda:"):
-        raise ValueError(f"--device must be cpu or cuda, got {o.device!r}")
-    if o.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available on this machine")
-    if o.kernel not in ("fused", "reference"):
-        raise ValueError(f"--kernel must be fused or reference, got {o.kernel!r}")
-    if o.threads is not None and o.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {o.threads}")
-
-
-@dataclass
-class TrainSummary:
-    pool: str
-    tier: str
-    durability: str
-    start_step: int
-    end_step: int
-    steps_run: int
-    samples: int
-    seconds: float
-    samples_per_s: float
-    final_loss: float | None
-    epochs: int | None
-    checkpoint: dict
-    recovered: dict | None
-    eval: list = field(default_factory=list)
-    pool_stats: dict = field(default_factory=dict)
-    distributed: dict | None = None    # world size, seconds in exchanges and in commit agreement
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def default_dense_every(pool: MemoryPool) -> int:
-    """Steps between recovery points when --dense-every is not given: every step, on every tier.
-
-    Persisting costs what its bytes cost (the journal is byte-granular with group commit, and
-    the commit of step k is written while step k+1 computes), so there is no reason to lose
-    more than the step in flight and the one before it. See tools/bench_train.py."""
-    return 1
-
-
-def data_spec(cfg: ModelConfig) -> DataSpec:
-    return DataSpec(num_dense=cfg.num_dense, feature_names=tuple(cfg.feature_names),
-                    num_embeddings=tuple(cfg.num_embeddings), batch_size=cfg.batch_size)
-
-
-def build_dense_optimizer(cfg: ModelConfig, params) -> torch.optim.Optimizer:
-    if cfg.dense_optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.dense_lr)
-    if cfg.dense_optimizer == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.dense_lr)
-    return torch.optim.Adam(params, lr=cfg.dense_lr)
-
-
-def create_model_tables(pool: MemoryPool, cfg: ModelConfig, seed: int, features: list[int] | None = None) -> None:
-    """The model's embedding tables (and optimizer-state tables) in ``pool``, initialised."""
-    features = list(range(len(cfg.feature_names))) if features is None else features
-    for f in features:
-        # TorchRec's default init: uniform in [-sqrt(1/n), sqrt(1/n)]; seeded per table, so a
-        # table is initialised identically whichever rank holds it.
-        pool.create_table(cfg.feature_names[f], cfg.num_embeddings[f], cfg.embedding_dim, init="uniform",
-                          seed=seed * 1000 + f)
-    SparseOptimizer.create_state_tables(pool, cfg.embedding_optimizer, cfg, features)
-
-
-def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Callable[[str], None],
-                       *, path: Path | None = None, features: list[int] | None = None, coordinator=None):
-    """Open (recovering first if needed) or create the pool. Returns (pool, cfg, recovery, created).
-
-    Several ranks: ``path`` is this rank's pool, ``features`` the tables it holds, and
-    ``coordinator.global_min`` agrees with the other ranks on the step to recover to.
-    """
-    path = Path(o.pool) if path is None else Path(path)
-    if coordinator is None and is_job(path):
-        raise ConfigMismatchError(f"{path} holds a job of several ranks (job.json, rank-*/)",
-                                  hint="train it with torchrun --nproc_per_node N -m dlrm_cxl train, "
-                                       "or pick another --pool")
-    if o.fresh and coordinator is None and path.exists():
-        destroy_pool(path)
-        log(f"--fresh: removed the pool at {path}")
-    if (path / "pool.json").exists():
-        probe = MemoryPool.open(path, read_only=True)
-        try:
-            meta = probe.meta
-            status = checkpoint_status(probe)
-        finally:
-            probe.close()
-        if "model" not in meta:
-            raise PoolFormatError(f"{path} is a pool but holds no trainer state (created through the API?)",
-                                  hint="train into a new --pool directory")
-        stored = ModelConfig.from_dict(meta["model"])
-        if model_cfg is not None and model_cfg != stored:
-            diff = [k for k in asdict(stored) if asdict(stored)[k] != asdict(model_cfg)[k]]
-            raise ConfigMismatchError(f"{path} was created with a different model ({', '.join(diff)} differ)")
-        if o.data != meta.get("data", o.data):
-            raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}")
-        if o.seed != meta.get("seed", o.seed):
-            raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
-        if o.data == "synthetic" and o.zipf_alpha != meta.get("zipf_alpha", o.zipf_alpha):
-            raise ConfigMismatchError(f"{path} was trained with --zipf-alpha {meta.get('zipf_alpha')}, not {o.zipf_alpha}")
-        rep = None
-        target = None
-        if coordinator is not None:
-            c = status["committed_step"]
-            g = coordinator.global_min(-1 if c is None else c)
-            if c is not None and g < c:
-                target = g
-                log(f"pool {path} committed step {c}, but not every rank did: rolling back to step {g}")
-        if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
-            log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
-            rep = recover(path, digest=False, target_step=target, rank_of_job=coordinator is not None)
-            log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
-                f"{rep.rows_restored} rows, in {rep.seconds * 1e3:.1f} ms")
-        pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
-        return pool, stored, rep, False
-    cfg = model_cfg
-    if cfg is None:
-        raise ValueError("a new pool needs a model config (pass --preset)")
-    pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes)
-    try:
-        create_model_tables(pool, cfg, o.seed, features)
-        pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, zipf_alpha=o.zipf_alpha,
-                      kind="dlrm-cxl-trainer")
-        if o.dram_cache_bytes is not None:
-            # Reopen so that the DRAM budget is split over all the tables, as on every later open.
-            pool.persist()
-            pool.close()
-            pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
-    except BaseException:
-        pool.close()
-        destroy_pool(path)
-        raise
-    return pool, cfg, None, True
 
 
 class Trainer:
@@ -397,8 +212,9 @@ class Trainer:
         ck.update(apply)
 
     def _diverged(self, k: int, loss: float):
-        # Nothing of step k was applied; abort() (leaving the step block) drops its undo log.
-        # Make the last good step a recovery point, so the pool needs no recovery afterwards.
+        # Nothing of step k was applied: the abort() that follows (leaving the step block, or
+        # the fused path's except) has no rows to put back and, with one process, makes step
+        # k - 1 a recovery point, so the pool needs no recovery afterwards (checkpointing/undo.py).
         raise TrainingDivergedError(f"loss is {loss} at step {k}; the step was not applied, the pool "
                                     f"stays at step {k - 1}")
 
@@ -533,47 +349,3 @@ def _with_device_bytes(d: dict, device_bytes: int, steps: int) -> dict:
     d["device_write_bytes_per_step"] = device_bytes / n if device_bytes >= 0 else None
     d["write_amplification"] = (device_bytes / n) / (rows + dense) if device_bytes >= 0 and rows + dense else None
     return d
-
-
-def capture_dense_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        data_position: dict | None, *, copy: bool = True) -> dict:
-    """Everything but the tables that a resume at ``step`` needs: dense parameters, dense
-    optimizer state, data position and RNG states. The dense snapshot. ``copy``: tensors are
-    copies (to CPU), else the live tensors (for a caller that copies them at once)."""
-    return {
-        "step": step,
-        "model": {k: v.detach().to("cpu", copy=copy) for k, v in model.state_dict().items()},
-        "optimizer": _clone_tree(optimizer.state_dict()) if copy else optimizer.state_dict(),
-        "data_position": data_position,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-    }
-
-
-def _clone_tree(obj):
-    """Copy every tensor (to CPU) of a nested dict/list; other leaves are immutable or copied."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone_tree(v) for v in obj)
-    return copy.copy(obj)
-
-
-@torch.no_grad()
-def evaluate(model: PoolDLRM, source, batches: int) -> dict:
-    """AUC and log loss over ``batches`` batches of ``source`` (from its start)."""
-    from torchmetrics.functional.classification import binary_auroc
-
-    preds, labels = [], []
-    for i, (batch, _) in enumerate(source.iter_batches(None)):
-        if i >= batches:
-            break
-        logits, _ = model(batch.dense, model.plan(batch.sparse))
-        preds.append(torch.sigmoid(logits.float().cpu()))
-        labels.append(batch.labels)
-    p = torch.cat(preds)
-    y = torch.cat(labels)
-    logloss = float(F.binary_cross_entropy(p.clamp(1e-7, 1 - 1e-7), y))
-    auc = float(binary_auroc(p, y.long())) if 0 < float(y.sum()) < y.numel() else float("nan")
-    return {"auc": auc, "logloss": logloss, "samples": int(y.numel())}

@@ -20,15 +20,15 @@ from pathlib import Path
 
 from .errors import PoolFullError, PoolIOError
 
-__all__ = ["atomic_write", "fsync_dir", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok"]
+__all__ = ["atomic_write", "fsync_dir", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "FULL_ERRNOS"]
 
-_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # "the disk is full", in its forms
 
 
 def raise_if_full(exc: OSError, what: str) -> None:
     """Turn disk-full style OSErrors into :class:`PoolFullError` and device errors (EIO) into
     :class:`PoolIOError`; re-raise anything else."""
-    if exc.errno in _FULL_ERRNOS:
+    if exc.errno in FULL_ERRNOS:
         raise PoolFullError(f"{what}: {os.strerror(exc.errno)}") from exc
     if exc.errno == errno.EIO:
         raise PoolIOError(f"{what}: {os.strerror(exc.errno)}") from exc

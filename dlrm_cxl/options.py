@@ -1,0 +1,99 @@
+"""What a training run is asked to do and what it reports: :class:`TrainOptions` (the ``train``
+flags), :func:`validate_options`, :class:`TrainSummary`, and the defaults derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .data import DataSpec
+
+if TYPE_CHECKING:
+    from memory_pool import MemoryPool
+
+    from .model import ModelConfig
+
+__all__ = ["TrainOptions", "validate_options", "TrainSummary", "default_dense_every", "data_spec"]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    pool: str
+    steps: int
+    data: str = "synthetic"
+    seed: int = 0
+    tier: str = "auto"
+    device: str = "cpu"
+    eval_every: int = 0
+    eval_batches: int = 4
+    eval_data: str | None = None
+    checkpoint: str = "undo"           # undo | none
+    dense_every: int | None = None     # None: by tier, see default_dense_every
+    crash_at: tuple[int, str] | None = None
+    crash_rank: int = 0                # several ranks: which rank --crash-at kills
+    threads: int | None = None
+    skip_bad_lines: bool = False
+    capacity_bytes: int | None = None
+    dram_cache_bytes: int | None = None
+    fresh: bool = False
+    progress: bool = True
+    zipf_alpha: float = 1.05
+    kernel: str = "fused"              # fused (fbgemm TBE in place) | reference (see model.py)
+
+
+def validate_options(o: TrainOptions) -> None:
+    if not isinstance(o.steps, int) or o.steps < 0:
+        raise ValueError(f"--steps must be a non-negative integer, got {o.steps!r}")
+    if o.checkpoint not in ("undo", "none"):
+        raise ValueError(f"--checkpoint must be undo or none, got {o.checkpoint!r}")
+    if o.dense_every is not None and o.dense_every < 1:
+        raise ValueError(f"--dense-every must be >= 1, got {o.dense_every}")
+    if o.eval_every < 0 or o.eval_batches < 1:
+        raise ValueError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {o.eval_every}, {o.eval_batches}")
+    if o.device not in ("cpu", "cuda") and not o.device.startswith("cuda:"):
+        raise ValueError(f"--device must be cpu or cuda, got {o.device!r}")
+    if o.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available on this machine")
+    if o.kernel not in ("fused", "reference"):
+        raise ValueError(f"--kernel must be fused or reference, got {o.kernel!r}")
+    if o.threads is not None and o.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {o.threads}")
+
+
+@dataclass
+class TrainSummary:
+    pool: str
+    tier: str
+    durability: str
+    start_step: int
+    end_step: int
+    steps_run: int
+    samples: int
+    seconds: float
+    samples_per_s: float
+    final_loss: float | None
+    epochs: int | None
+    checkpoint: dict
+    recovered: dict | None
+    eval: list = field(default_factory=list)
+    pool_stats: dict = field(default_factory=dict)
+    distributed: dict | None = None    # world size, seconds in exchanges and in commit agreement
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_dense_every(pool: MemoryPool) -> int:
+    """Steps between recovery points when --dense-every is not given: every step, on every tier.
+
+    Persisting costs what its bytes cost (the journal is byte-granular with group commit, and
+    the commit of step k is written while step k+1 computes), so there is no reason to lose
+    more than the step in flight and the one before it. See tools/bench_train.py."""
+    return 1
+
+
+def data_spec(cfg: ModelConfig) -> DataSpec:
+    return DataSpec(num_dense=cfg.num_dense, feature_names=tuple(cfg.feature_names),
+                    num_embeddings=tuple(cfg.num_embeddings), batch_size=cfg.batch_size)

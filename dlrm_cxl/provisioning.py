@@ -1,0 +1,154 @@
+"""Provisioning a trainer pool: create one (tables, optimizer-state tables and the metadata that
+later runs are checked against) or open one, recovering first when a crash left it between
+steps; and the dense side of its state (the dense optimizer, the dense snapshot).
+
+:func:`create_trainer_pool` is the one place a trainer pool is made: ``train`` on a new
+``--pool`` (through :func:`open_training_pool`) and ``import`` both call it.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from checkpointing import checkpoint_status, recover
+from checkpointing.job import is_job
+from memory_pool import ConfigMismatchError, MemoryPool, PoolFormatError, destroy_pool
+
+from .model import ModelConfig, SparseOptimizer
+from .options import TrainOptions
+
+__all__ = ["TRAINER_POOL_KIND", "create_trainer_pool", "open_training_pool", "create_model_tables",
+           "build_dense_optimizer", "capture_dense_state"]
+
+TRAINER_POOL_KIND = "dlrm-cxl-trainer"  # meta["kind"] of a pool made by create_trainer_pool
+
+
+def build_dense_optimizer(cfg: ModelConfig, params) -> torch.optim.Optimizer:
+    if cfg.dense_optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.dense_lr)
+    if cfg.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.dense_lr)
+    return torch.optim.Adam(params, lr=cfg.dense_lr)
+
+
+def create_model_tables(pool: MemoryPool, cfg: ModelConfig, seed: int, features: list[int] | None = None) -> None:
+    """The model's embedding tables (and optimizer-state tables) in ``pool``, initialised."""
+    features = list(range(len(cfg.feature_names))) if features is None else features
+    for f in features:
+        # TorchRec's default init: uniform in [-sqrt(1/n), sqrt(1/n)]; seeded per table, so a
+        # table is initialised identically whichever rank holds it.
+        pool.create_table(cfg.feature_names[f], cfg.num_embeddings[f], cfg.embedding_dim, init="uniform",
+                          seed=seed * 1000 + f)
+    SparseOptimizer.create_state_tables(pool, cfg.embedding_optimizer, cfg, features)
+
+
+def create_trainer_pool(o: TrainOptions, cfg: ModelConfig, *, path: Path | None = None,
+                        features: list[int] | None = None) -> MemoryPool:
+    """A new pool at ``path`` (default ``o.pool``) of tier ``o.tier`` holding the model's tables,
+    initialised from ``o.seed``, and the metadata :func:`open_training_pool` checks later runs
+    against (model config, seed, data, zipf_alpha, kind). Returns it open (with ``o``'s DRAM
+    budget); on any failure nothing is left at ``path``. It holds no checkpoint yet: the caller
+    makes step 0 the first recovery point."""
+    path = Path(o.pool) if path is None else Path(path)
+    pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes)
+    try:
+        create_model_tables(pool, cfg, o.seed, features)
+        pool.set_meta(model=cfg.to_dict(), seed=o.seed, data=o.data, zipf_alpha=o.zipf_alpha,
+                      kind=TRAINER_POOL_KIND)
+        if o.dram_cache_bytes is not None:
+            # Reopen so that the DRAM budget is split over all the tables, as on every later open.
+            pool.persist()
+            pool.close()
+            pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
+    except BaseException:
+        pool.close()
+        destroy_pool(path)
+        raise
+    return pool
+
+
+def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Callable[[str], None],
+                       *, path: Path | None = None, features: list[int] | None = None, coordinator=None):
+    """Open (recovering first if needed) or create the pool. Returns (pool, cfg, recovery, created).
+
+    Several ranks: ``path`` is this rank's pool, ``features`` the tables it holds, and
+    ``coordinator.global_min`` agrees with the other ranks on the step to recover to.
+    """
+    path = Path(o.pool) if path is None else Path(path)
+    if coordinator is None and is_job(path):
+        raise ConfigMismatchError(f"{path} holds a job of several ranks (job.json, rank-*/)",
+                                  hint="train it with torchrun --nproc_per_node N -m dlrm_cxl train, "
+                                       "or pick another --pool")
+    if o.fresh and coordinator is None and path.exists():
+        destroy_pool(path)
+        log(f"--fresh: removed the pool at {path}")
+    if (path / "pool.json").exists():
+        probe = MemoryPool.open(path, read_only=True)
+        try:
+            meta = probe.meta
+            status = checkpoint_status(probe)
+        finally:
+            probe.close()
+        if "model" not in meta:
+            raise PoolFormatError(f"{path} is a pool but holds no trainer state (created through the API?)",
+                                  hint="train into a new --pool directory")
+        stored = ModelConfig.from_dict(meta["model"])
+        if model_cfg is not None and model_cfg != stored:
+            diff = [k for k in asdict(stored) if asdict(stored)[k] != asdict(model_cfg)[k]]
+            raise ConfigMismatchError(f"{path} was created with a different model ({', '.join(diff)} differ)")
+        if o.data != meta.get("data", o.data):
+            raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}")
+        if o.seed != meta.get("seed", o.seed):
+            raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
+        if o.data == "synthetic" and o.zipf_alpha != meta.get("zipf_alpha", o.zipf_alpha):
+            raise ConfigMismatchError(f"{path} was trained with --zipf-alpha {meta.get('zipf_alpha')}, not {o.zipf_alpha}")
+        rep = None
+        target = None
+        if coordinator is not None:
+            c = status["committed_step"]
+            g = coordinator.global_min(-1 if c is None else c)
+            if c is not None and g < c:
+                target = g
+                log(f"pool {path} committed step {c}, but not every rank did: rolling back to step {g}")
+        if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
+            log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
+            rep = recover(path, digest=False, target_step=target, rank_of_job=coordinator is not None)
+            log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
+                f"{rep.rows_restored} rows, in {rep.seconds * 1e3:.1f} ms")
+        pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
+        return pool, stored, rep, False
+    if model_cfg is None:
+        raise ValueError("a new pool needs a model config (pass --preset)")
+    return create_trainer_pool(o, model_cfg, path=path, features=features), model_cfg, None, True
+
+
+def capture_dense_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        data_position: dict | None, *, copy: bool = True) -> dict:
+    """Everything but the tables that a resume at ``step`` needs: dense parameters, dense
+    optimizer state, data position and RNG states. The dense snapshot. ``copy``: tensors are
+    copies (to CPU), else the live tensors (for a caller that copies them at once)."""
+    return {
+        "step": step,
+        "model": {k: v.detach().to("cpu", copy=copy) for k, v in model.state_dict().items()},
+        "optimizer": _clone_tree(optimizer.state_dict()) if copy else optimizer.state_dict(),
+        "data_position": data_position,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+    }
+
+
+def _clone_tree(obj):
+    """Copy every tensor (to CPU) of a nested dict/list; other leaves are immutable or copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone_tree(v) for v in obj)
+    return copy.copy(obj)
