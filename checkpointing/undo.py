@@ -118,6 +118,9 @@ class UndoLogCheckpointer(Checkpointer):
         self._pending_start: int | None = None   # first seq of the open transaction
         self._lock = threading.Lock()
         self._broken: str | None = None
+        # Reusable gather buffers, two per kind: the writer thread may still be writing step k-1's
+        # images while step k's are gathered (the pipeline never holds more than one step back).
+        self._bufs = {(kind, i): {} for kind in ("undo", "rows") for i in (0, 1)}
         self._closed = False
         ckpt_dir(pool.storage_dir).mkdir(parents=True, exist_ok=True)
 
@@ -148,7 +151,7 @@ class UndoLogCheckpointer(Checkpointer):
         if self.log_undo:
             # A copy of the rows' current values: the step's before-images. The only logging
             # work on the trainer's thread; the writer thread appends and syncs them.
-            cur.before = self.pool.gather_rows(cur.touched)
+            cur.before = self.pool.gather_rows(cur.touched, buffers=self._bufs[("undo", cur.k % 2)])
             cur.undo = self._writer.submit(self._write_undo, cur.k, [(t.name, r) for t, r in cur.touched], cur.before)
         else:
             self.hit("mid-log")
@@ -235,7 +238,8 @@ class UndoLogCheckpointer(Checkpointer):
         rows = None
         if self.log_rows and cur is not None and cur.touched:
             # After-images now, on this thread: step k+1 may change them as soon as we return.
-            rows = [(t.name, r, a) for (t, r), a in zip(cur.touched, self.pool.gather_rows(cur.touched))]
+            after = self.pool.gather_rows(cur.touched, buffers=self._bufs[("rows", step % 2)])
+            rows = [(t.name, r, a) for (t, r), a in zip(cur.touched, after)]
         dense = self._packer.pack(self.dense_state(step)) if due else None
         self._submit(step, rows, dense, wait=final or crash_here)
         self._release()

@@ -228,11 +228,12 @@ class MemoryPool:
         self._compaction = self._compactor.submit(run)
         return self._compaction
 
-    def gather_rows(self, pairs) -> list[torch.Tensor]:
+    def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
         """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair. Tables of the
         same row size in the arena are gathered with ONE ``index_select`` over the arena (the
         undo log and the journal gather ~50 (table, rows) pairs a step: one parallel kernel
-        launch instead of 50)."""
+        launch instead of 50). ``buffers``: a dict the caller keeps, holding reusable buffers (the
+        results are views of them, valid until the next call with the same dict)."""
         self._check_open()
         out: list = [None] * len(pairs)
         groups: dict = {}
@@ -246,7 +247,15 @@ class MemoryPool:
             dtype = torch_dtype(dt)
             flat = self._arena.tensor(0, self._arena.used - self._arena.used % rb, dtype).view(-1, rb // dtype.itemsize)
             ids = torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])
-            rows = flat.index_select(0, ids)
+            if buffers is not None:
+                # A caller's reusable buffer per row size: no fresh allocation (and page faults)
+                # for a few MB every step.
+                buf = buffers.get((rb, dt))
+                if buf is None or buf.shape[0] < ids.numel():
+                    buf = buffers[(rb, dt)] = torch.empty(max(ids.numel() * 5 // 4, 1024), flat.shape[1], dtype=dtype)
+                rows = torch.index_select(flat, 0, ids, out=buf[:ids.numel()])
+            else:
+                rows = flat.index_select(0, ids)
             for i, part in zip(idx, rows.split([pairs[i][1].numel() for i in idx])):
                 out[i] = part
         return out
