@@ -414,16 +414,13 @@ class MemoryPool:
         file = None if tier == "dram" else self.storage_dir / "tables" / f"{cfg.name}.bin"
         if not create and file is not None and not file.exists():
             raise PoolCorruptError(f"{self.path}: table file {file} is missing")
-        before_map = None
-        if replay and not self.read_only:
-            # A writer brings the image up to date with the journal before mapping it (pwrite:
-            # no page faults; idempotent, the journal keeps the records until compaction).
-            before_map = lambda region: region.write_back(*self._latest(replay))  # noqa: E731
         region = open_region(self._arena, tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype,
-                             create=create, read_only=self.read_only, real_pmem=self._real_pmem,
-                             before_map=before_map)
-        if replay and self.read_only:
-            region.restore_rows(*self._latest(replay))  # into this process's private mapping
+                             create=create, read_only=self.read_only, real_pmem=self._real_pmem)
+        if replay:
+            # The committed rows of the journal go into this process's private working copy:
+            # memory copies, no system call per row (the image is brought up to date later, by
+            # compaction; the journal keeps them until then, so this is idempotent).
+            region.restore_rows(*self._latest(replay))
             region.take_dirty()
         cache_rows = 0
         if share is not None:
