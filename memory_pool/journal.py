@@ -60,6 +60,10 @@ import torch
 from .durable import atomic_write, fsync_dir, raise_if_full
 from .errors import PoolCorruptError
 
+# Payloads are decoded from read-only mappings of the segments (torch.frombuffer warns about
+# non-writable buffers; the tensors are only read, and copied by whoever keeps them).
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "encode_rows",
            "decode_rows", "crc32c"]
 
@@ -177,12 +181,10 @@ def decode_rows(payload) -> tuple[str, torch.Tensor, torch.Tensor]:
     p += nlen
     if len(mv) != p + 8 * n + row_bytes * n:
         raise ValueError(f"row record of {len(mv)} bytes does not hold {n} rows of {row_bytes} bytes")
-    with warnings.catch_warnings():  # a read-only mapping: callers copy what they keep
-        warnings.simplefilter("ignore", UserWarning)
-        ids = torch.frombuffer(mv[p:p + 8 * n], dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
-        p += 8 * n
-        data = (torch.frombuffer(mv[p:], dtype=torch.uint8).view(n, row_bytes) if n
-                else torch.empty(0, row_bytes, dtype=torch.uint8))
+    ids = torch.frombuffer(mv[p:p + 8 * n], dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
+    p += 8 * n
+    data = (torch.frombuffer(mv[p:], dtype=torch.uint8).view(n, row_bytes) if n
+            else torch.empty(0, row_bytes, dtype=torch.uint8))
     return name, ids, data
 
 

@@ -146,8 +146,9 @@ class MemoryPool:
         plan: dict[str, list] = {}
         refs = [r for txn in self.journal.txns for r in txn.records if r.type == RecordType.ROWS]
         for ref, payload in self.journal.read_many(refs):
+            # Views of the mapped segment (kept mapped while they live); _latest copies them.
             name, ids, raw = decode_rows(payload)
-            plan.setdefault(name, []).append((ids.clone(), raw.clone()))
+            plan.setdefault(name, []).append((ids, raw))
         unknown = set(plan) - {t["name"] for t in self._header["tables"]}
         if unknown:
             raise PoolCorruptError(f"{self.path}: the journal holds rows of unknown tables {sorted(unknown)}")

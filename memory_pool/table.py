@@ -241,7 +241,7 @@ class Table:
         if region.journaled:
             # The image holds the new rows durably; map it afresh so this process sees them
             # (and drops any copy-on-write pages of the old ones).
-            region.sync()
+            region.sync(drop_cache=True)
             self.pool._remap(self)
             region.take_dirty()
         elif self.pool.tier == "pmem":

@@ -539,7 +539,7 @@ def die_after(cls, name, n=1):
 g = torch.Generator().manual_seed(7)
 if phase == "replay":
     from memory_pool.tiers import FileRegion
-    die_after(FileRegion, "write_back")  # one table replayed onto its image, the next not
+    die_after(FileRegion, "restore_rows")  # one table replayed into the working copy, the next not
     MemoryPool.open(path)
     raise SystemExit("not killed")
 with MemoryPool.open(path) as pool:
