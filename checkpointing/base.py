@@ -73,6 +73,12 @@ class Checkpointer(abc.ABC):
     @abc.abstractmethod
     def commit(self, step: int, *, final: bool = False) -> None: ...
 
+    @property
+    def needs_touched(self) -> bool:
+        """Whether ``log_before_image`` needs the exact rows a step touches (else the trainer
+        may pass empty row sets and skip finding them)."""
+        return True
+
     def mark_updated(self) -> None:
         """The current step's rows changed in place outside ``update`` (a fused backward)."""
 

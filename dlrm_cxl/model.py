@@ -243,10 +243,11 @@ class PoolDLRM(nn.Module):
         sizes = torch.tensor([t.num_embeddings for t in self.tables])
         return torch.repeat_interleave(sizes, torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1]))
 
-    def plan(self, kjt: KeyedJaggedTensor, *, fused: bool = False) -> SparsePlan:
+    def plan(self, kjt: KeyedJaggedTensor, *, fused: bool = False, rows: bool = True) -> SparsePlan:
         """Validate a batch's sparse input (raises InvalidIdsError/ValueError) and index it.
         ``fused``: only what the fused path needs (distinct rows per table, found with one sort
-        over all tables)."""
+        over all tables; ``rows=False``: not even those -- nothing needs to know them when no
+        undo record, after-image or dirty mark is kept)."""
         keys = list(kjt.keys())
         if keys != list(self.cfg.feature_names):
             raise ValueError(f"KeyedJaggedTensor keys {keys} != model features {list(self.cfg.feature_names)}")
@@ -261,6 +262,9 @@ class PoolDLRM(nn.Module):
         if fused:
             plan.values = values
             plan.kjt_offsets = kjt.offsets().to(torch.int64)
+            if not rows:
+                plan.rows = [torch.empty(0, dtype=torch.int64) for _ in self.features]
+                return plan
             # Distinct rows of every table with one sort: shift each table's ids by the rows of
             # the tables before it, unique once, split at the table boundaries.
             base = self._row_base

@@ -149,7 +149,7 @@ class Trainer:
         ck.begin_step(k)
         try:
             with _phase("plan"):
-                plan = model.plan(batch.sparse, fused=True)
+                plan = model.plan(batch.sparse, fused=True, rows=ck.needs_touched)
             with _phase("log_before_image"):
                 ck.log_before_image(self.sparse_opt.touched(plan))
             with _phase("forward"):
