@@ -187,17 +187,21 @@ class Trainer:
     def _train_step_reference(self, k: int, batch) -> float:
         ck, model = self.ckpt, self.model
         with ck.step(k, final=(k == self.o.steps)):
-            plan = model.plan(batch.sparse)
-            ck.log_before_image(self.sparse_opt.touched(plan))
-            logits, pooled = model(batch.dense, plan)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
-            if not bool(torch.isfinite(loss)):
-                self._diverged(k, float(loss.detach()))
-            self.dense_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            updates = self.sparse_opt.compute(plan, pooled.grad, ck.before_images())
-            ck.persist()
-            self._apply(ck, updates)
+            with _phase("plan"):
+                plan = model.plan(batch.sparse)
+            with _phase("log_before_image"):
+                ck.log_before_image(self.sparse_opt.touched(plan))
+            with _phase("forward"):
+                logits, pooled = model(batch.dense, plan)
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
+                if not bool(torch.isfinite(loss)):
+                    self._diverged(k, float(loss.detach()))
+            with _phase("backward_and_fused_update"):  # here: backward, then the sparse update
+                self.dense_opt.zero_grad(set_to_none=True)
+                loss.backward()
+                updates = self.sparse_opt.compute(plan, pooled.grad, ck.before_images())
+                ck.persist()
+                self._apply(ck, updates)
             self.step = k
         return float(loss.detach())
 
