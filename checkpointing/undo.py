@@ -111,7 +111,8 @@ class UndoLogCheckpointer(Checkpointer):
         self.compact_bytes = default_compact_bytes(pool)
         self._packer = DensePacker()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
-        self._inflight: Future | None = None
+        self._inflight: Future | None = None    # the newest recovery point handed over
+        self._last_job: Future | None = None    # the newest transaction part handed over
         self._cur: Step | None = None
         commits = [t for t in self.journal.txns if is_commit(t)]
         self._durable_commit = commits[-1].tag if commits else -1
@@ -251,15 +252,19 @@ class UndoLogCheckpointer(Checkpointer):
         self._cur = None
 
     def _submit(self, step: int, rows, dense, *, wait: bool) -> None:
-        # Pipeline depth one: the previous transaction must be durable before this one is handed
-        # over (so a crash loses at most the step in flight and the one before it).
-        if self._inflight is not None and dense is not None:
+        # Pipeline depth one: whatever was handed over for the previous step must be written
+        # (and, for a recovery point, durable) before this step's is handed over. So a crash
+        # loses at most the step in flight and the one before it (with --dense-every N, the
+        # steps since the previous recovery point and one more), and the writer never lags a
+        # step behind: the double-buffered after-images it is writing are never overwritten.
+        if self._last_job is not None:
             t0 = time.perf_counter()
-            self._inflight.result()
+            self._last_job.result()
             self.stats.commit_wait_seconds += time.perf_counter() - t0
         if dense is not None:
             self._last_submitted = step
         fut = self._writer.submit(self._write_txn, step, rows, dense)
+        self._last_job = fut
         if dense is not None:
             self._inflight = fut
         if wait:
