@@ -55,6 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 from dlrm_cxl.data import SyntheticData  # noqa: E402
 from dlrm_cxl.model import PRESETS, ModelConfig, torchrec_dlrm  # noqa: E402
 from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec  # noqa: E402
+from dlrm_cxl.trainer import io_write_bytes as _io_write_bytes  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
@@ -286,17 +287,7 @@ def interleave(variants: list, *, warmup: int, steps: int, rounds: int, batch_si
     return out
 
 
-def io_write_bytes() -> int:
-    """This process's ``write_bytes`` from /proc/self/io (bytes it caused to be sent to storage,
-    page-granular, counted when a page is dirtied or written; all threads); -1 if unavailable."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("write_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
+io_write_bytes = _io_write_bytes  # /proc/self/io write_bytes (one implementation: dlrm_cxl.trainer)
 
 
 def _snap(v) -> dict:
