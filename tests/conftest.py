@@ -77,6 +77,16 @@ def root(request, tmp_path_factory) -> Path:
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _no_pool_left_behind(request):
+    """Every pool a test made under its tmp_path is destroyed afterwards (an shm pool's region
+    lives in RAM, outside tmp_path, and pytest keeps tmp_path around)."""
+    yield
+    path = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if path is not None and Path(path).exists():
+        _remove_pools_under(Path(path))
+
+
 @pytest.fixture
 def tmp_pool_dir(tmp_path) -> Path:
     """A path for a pool (not created). Every pool made under tmp_path is destroyed afterwards."""

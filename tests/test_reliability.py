@@ -51,12 +51,17 @@ def one_line_error(proc, code: int, *needles) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Digests of uninterrupted tiny runs, per tier."""
-    out = {}
+    from memory_pool import destroy_pool
+
+    out, made = {}, []
     for tier in ("power-sim", "shm"):
-        p = cli("train", "--pool", tmp_path_factory.mktemp("ref") / tier, *TINY, "--tier", tier, "--steps", 12)
+        made.append(tmp_path_factory.mktemp("ref") / tier)
+        p = cli("train", "--pool", made[-1], *TINY, "--tier", tier, "--steps", 12)
         assert p.returncode == 0, p.stderr
         out[tier] = digest_of(p)
-    return out
+    yield out
+    for pool in made:
+        destroy_pool(pool)
 
 
 def _journal_bytes(pool: Path) -> int:
