@@ -11,17 +11,11 @@ import torch
 from checkpointing import checkpoint_status, committed_state
 from checkpointing.job import is_job
 from memory_pool import MemoryPool, PoolFormatError, read_header
-from memory_pool.errors import DlrmCxlError
+from memory_pool.errors import NeedsRecoveryError
 
 from .model import PRESETS, ModelConfig, PoolDLRM
 
 __all__ = ["NeedsRecoveryError", "stored_config", "open_model", "load_torchrec_state"]
-
-
-class NeedsRecoveryError(DlrmCxlError):
-    """A crash left the pool between steps; eval/export would read a mix of two states."""
-
-    exit_code = 2
 
 
 def stored_config(pool_path) -> ModelConfig | None:

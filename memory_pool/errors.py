@@ -27,6 +27,7 @@ __all__ = [
     "DataFormatError",
     "TrainingDivergedError",
     "RecoveryError",
+    "NeedsRecoveryError",
     "PoolExistsError",
     "ConfigMismatchError",
     "InvalidConfigError",
@@ -146,6 +147,14 @@ class RecoveryError(PoolCorruptError):
 
     exit_code = 4
     default_hint = "the undo log or a snapshot is damaged; restore the pool from a copy (nothing was changed)"
+
+
+class NeedsRecoveryError(DlrmCxlError):
+    """A crash left unfinished records or rows changed in place: reading or appending now would
+    mix two states. Nothing was changed."""
+
+    exit_code = 2
+    default_hint = "run `dlrm-cxl recover --pool DIR` first (or `dlrm-cxl train`, which recovers)"
 
 
 class PoolExistsError(DlrmCxlError):

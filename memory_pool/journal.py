@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from .durable import atomic_write, fsync_dir, raise_if_full
-from .errors import PoolCorruptError
+from .errors import NeedsRecoveryError, PoolCorruptError, PoolReadOnlyError
 
 # Payloads are decoded from read-only mappings of the segments (torch.frombuffer warns about
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
@@ -390,7 +390,7 @@ class Journal:
         must do this (after using the tail, e.g. rolling back its UNDO records) before it
         appends: otherwise the next END would seal records of an abandoned step."""
         if self.read_only:
-            raise PoolCorruptError("journal opened read-only")
+            raise PoolReadOnlyError(f"journal {self.dir} was opened read-only")
         removed = 0
         with self._lock:
             if self._fd is not None:
@@ -430,8 +430,8 @@ class Journal:
         if self._fd is not None:
             return self._segs[-1]
         if not self._tail_clean:
-            raise PoolCorruptError(f"journal {self.dir}: unfinished transaction after the last END; "
-                                   f"recover (or truncate_tail) before appending")
+            raise NeedsRecoveryError(f"journal {self.dir}: a crash left an unfinished transaction after the "
+                                     f"last commit; appending now would seal it")
         if not self._segs:
             self._new_segment()
         else:

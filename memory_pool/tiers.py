@@ -156,7 +156,7 @@ class FileRegion(Region):
     read-only opens: stores stay in this process and never reach the file)."""
 
     def __init__(self, arena, path: Path, rows, dim, dtype, *, tier: str, create: bool, read_only: bool,
-                 shared: bool, journaled: bool, before_map=None):
+                 shared: bool, journaled: bool):
         super().__init__(arena, rows, dim, dtype)
         self.tier = tier
         self.path = Path(path)
@@ -181,8 +181,6 @@ class FileRegion(Region):
                 raise PoolCorruptError(
                     f"table file {self.path} has {size} bytes, expected {self.nbytes} "
                     f"({rows} rows x {self.row_bytes} bytes): truncated or foreign file")
-            if before_map is not None:
-                before_map(self)  # journal replay onto the image, before the image is mapped
             if self.offset is None:
                 raise PoolFullError(f"the pool's address range is full; table {self.path.name} does not fit",
                                     hint="open the pool again: the range is sized for all its tables")
@@ -284,7 +282,7 @@ def is_journaled(tier: str, real_pmem: bool) -> bool:
 
 
 def open_region(arena: Arena, tier: str, path: Path | None, rows: int, dim: int, dtype: str, *, create: bool,
-                read_only: bool = False, real_pmem: bool = False, before_map=None) -> Region:
+                read_only: bool = False, real_pmem: bool = False) -> Region:
     if tier == "dram":
         return DramRegion(arena, rows, dim, dtype)
     if tier == "pmem" and real_pmem:
@@ -292,5 +290,5 @@ def open_region(arena: Arena, tier: str, path: Path | None, rows: int, dim: int,
     if tier in ("shm", "pmem", "power-sim"):
         journaled = is_journaled(tier, real_pmem)
         return FileRegion(arena, path, rows, dim, dtype, tier=tier, create=create, read_only=read_only,
-                          shared=tier == "shm", journaled=journaled, before_map=before_map)
+                          shared=tier == "shm", journaled=journaled)
     raise InvalidConfigError(f"unknown tier {tier!r}; expected one of {TIERS + ('auto',)}")
