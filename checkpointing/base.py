@@ -11,7 +11,9 @@ Call order for step ``k`` (each once, in this order — after torch.distributed.
     update(fn)                      # fn() changes the rows in place
     commit(k)                       # step k is done; may snapshot dense state (async)
 
-or, py-lmdb style, ``with ckpt.step(k) as s:`` — leaving the block commits; an exception puts the
+or, py-lmdb style, ``with ckpt.step(k) as s:`` — ``s`` is the :class:`Step` (what step ``k``
+touches, its before-images, whether it updated; the same object as ``ckpt.current``), and the
+calls above are still made on the checkpointer. Leaving the block commits; an exception puts the
 step's rows back to their before-images where it has them (direct tiers) and re-raises. On a
 journaled tier the changed rows live only in the process's volatile working copy: the pool on
 media is still at the last commit, and the checkpointer refuses further steps (reopen the pool).
@@ -21,14 +23,26 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Checkpointer", "CheckpointStats", "Touched"]
+__all__ = ["Checkpointer", "CheckpointStats", "Step", "Touched"]
 
 Touched = Sequence[tuple["object", torch.Tensor]]  # (memory_pool.Table, rows)
+
+
+@dataclass
+class Step:
+    """One step's transaction: what it touches, its before-images, whether it updated."""
+
+    k: int
+    touched: list = field(default_factory=list)     # [(Table, rows)]
+    before: list | None = None                      # before-images, in touched order
+    undo: Future | None = None                      # the UNDO records' durability
+    updated: bool = False
 
 
 @dataclass
@@ -57,6 +71,12 @@ class Checkpointer(abc.ABC):
 
     name = "abstract"
     stats: CheckpointStats
+    _cur: Step | None = None  # the step between begin_step and commit/abort (implementations set it)
+
+    @property
+    def current(self) -> Step | None:
+        """The step in progress (``begin_step`` made it; ``commit``/``abort`` end it), else None."""
+        return self._cur
 
     @abc.abstractmethod
     def begin_step(self, step: int) -> None: ...
@@ -91,7 +111,8 @@ class Checkpointer(abc.ABC):
         """The step failed before ``commit``: undo whatever ``update`` changed (in memory)."""
 
     def hit(self, phase: str) -> None:
-        """Crash-injection point inside a step (no-op unless a crash is planned here)."""
+        """Crash-injection point inside a step (no-op unless a crash is planned here); ``phase``
+        is a name of :data:`checkpointing.crash.STEP_PHASES`."""
 
     def drain(self) -> None:
         """Wait for background work (benchmarks: so that it never spills into another window)."""
@@ -100,10 +121,12 @@ class Checkpointer(abc.ABC):
         """Wait for background work; after this every committed step is durable."""
 
     @contextlib.contextmanager
-    def step(self, k: int, *, final: bool = False) -> Iterator["Checkpointer"]:
+    def step(self, k: int, *, final: bool = False) -> Iterator[Step]:
+        """``begin_step(k)``; yields step k's :class:`Step`; ``commit(k)`` at the end of the block,
+        ``abort()`` if it raises."""
         self.begin_step(k)
         try:
-            yield self
+            yield self._cur
         except BaseException:
             self.abort()
             raise

@@ -50,7 +50,7 @@ import torch
 from memory_pool import MemoryPool
 from memory_pool.durable import atomic_write
 
-from .base import Checkpointer, CheckpointStats, Touched
+from .base import Checkpointer, CheckpointStats, Step, Touched
 
 __all__ = ["FullSaveCheckpointer", "IncrementalCheckpointer", "durable_torch_save", "baseline_dir",
            "load_full", "apply_increments"]
@@ -89,11 +89,11 @@ class _Synchronous(Checkpointer):
         self.dir = Path(directory) if directory is not None else baseline_dir(pool)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stats = CheckpointStats()
-        self._step: int | None = None
+        self._cur: Step | None = None
         self._last_ckpt: int | None = None   # newest step made durable by this checkpointer
 
     def begin_step(self, step: int) -> None:
-        self._step = step
+        self._cur = Step(step)
 
     def log_before_image(self, touched: Touched) -> None:
         pass
@@ -112,7 +112,7 @@ class _Synchronous(Checkpointer):
         base = self._last_ckpt if self._last_ckpt is not None else 0
         self.stats.max_commit_lag = max(self.stats.max_commit_lag, step - base)
         self.stats.critical_seconds += time.perf_counter() - t0
-        self._step = None
+        self._cur = None
 
     def checkpoint_now(self, step: int) -> None:
         self._write(step)
@@ -192,7 +192,7 @@ class IncrementalCheckpointer(_Synchronous):
     def abort(self) -> None:
         # The failed step's rows were recorded as changed; if they were not, writing their
         # current values again is harmless. Nothing to undo in memory: no before-images here.
-        self._step = None
+        self._cur = None
 
 
 def load_full(path) -> dict:

@@ -1,4 +1,5 @@
-"""Crash injection: the trainer kills itself with SIGKILL at a named moment of a step.
+"""Crash injection: the trainer (or recovery) kills itself with SIGKILL at a named moment of a
+step (or of recovery). Every such moment is named here, with where it fires.
 
 SIGKILL runs no Python cleanup, no atexit, no buffered-file flush: exactly what a machine
 failure looks like to the process. On the ``power-sim`` tier the kill also loses every store
@@ -13,12 +14,39 @@ import signal
 import threading
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "CrashPlan", "parse_crash_at", "die"]
+__all__ = ["PHASES", "STEP_PHASES", "COMMIT_PHASES", "RANDOM", "RECOVERY_PHASES", "CrashPlan", "parse_crash_at",
+           "die"]
 
-PHASES = ("before-log", "mid-log", "after-log", "mid-update", "after-update",
-          "before-commit", "after-commit", "mid-dense", "random")
-# Phases of `dlrm-cxl recover`, for testing that recovery itself is crash-safe.
-RECOVERY_PHASES = ("mid-rollback", "before-invalidate")
+# Every named moment at which crash injection can kill, and where in the protocol it fires. These
+# tuples are the only list of the names: CrashPlan refuses any other.
+#
+# Moments of training step k (``dlrm-cxl train --crash-at k:PHASE``). The checkpointer fires them
+# through ``Checkpointer.hit(phase)`` (NoCheckpointer fires the same names at the same points of
+# its step, writing no log); ``mid-update`` is fired by the trainer.
+STEP_PHASES = (
+    "before-log",     # log_before_image(): nothing of step k gathered or written yet
+    "mid-log",        # direct tiers: half of step k's UNDO records appended and flushed (writer
+                      #   thread); journaled tiers (no UNDO): the rows are noted, nothing written
+    "after-log",      # persist(): step k's before-images are durable, no row changed yet
+    "mid-update",     # the trainer: rows of half the tables (fused: all rows) changed in place,
+                      #   the dense optimizer step not yet taken
+    "after-update",   # update(): every change of step k made in place, commit not started
+    "before-commit",  # commit(): the transaction (ROWS, DENSE) flushed, its END record not written
+    "after-commit",   # commit(): the END record durable: step k is a recovery point
+    "mid-dense",      # commit(): the DENSE record appended, not yet flushed
+)
+# The phases inside commit(k), on the writer thread: a plan for one of them makes step k a recovery
+# point and commit(k) wait for it, so the kill comes before commit(k) returns.
+COMMIT_PHASES = ("before-commit", "after-commit", "mid-dense")
+RANDOM = "random"  # a seeded watchdog kills at a random moment of step k (CrashPlan.arm_random)
+PHASES = STEP_PHASES + (RANDOM,)  # what `train --crash-at STEP:PHASE` accepts
+
+# Moments of `dlrm-cxl recover --crash-at PHASE` (checkpointing.recovery), for testing that
+# recovery itself is crash-safe.
+RECOVERY_PHASES = (
+    "mid-rollback",       # the first UNDO record applied, the others not
+    "before-invalidate",  # every row at the target (persisted), the unfinished journal tail not yet dropped
+)
 
 
 def die(reason: str = "") -> None:
@@ -49,20 +77,51 @@ def parse_crash_at(text: str, phases=PHASES) -> tuple[int, str]:
 
 @dataclass
 class CrashPlan:
-    """Where to crash. ``hit(step, phase)`` kills the process when both match."""
+    """Where to crash: ``phase`` of training step ``step`` (a name of :data:`PHASES`), or, made
+    by :meth:`recovery`, a moment of recovery (a name of :data:`RECOVERY_PHASES`).
+
+    Callers ask the plan, never compare its fields: :meth:`at` (is this the moment?), :meth:`hit`
+    (kill if it is), :meth:`hit_recovery`, :meth:`arm_random`."""
 
     step: int
     phase: str
     seed: int = 0
     expected_step_seconds: float = 0.05
 
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES + RECOVERY_PHASES:
+            raise ValueError(f"unknown crash phase {self.phase!r}; expected one of "
+                             f"{', '.join(PHASES + RECOVERY_PHASES)}")
+
+    @classmethod
+    def recovery(cls, phase: str) -> "CrashPlan":
+        """A plan that kills recovery at ``phase`` (one of :data:`RECOVERY_PHASES`)."""
+        if phase not in RECOVERY_PHASES:
+            raise ValueError(f"recovery crash phase must be one of {', '.join(RECOVERY_PHASES)}; got {phase!r}")
+        return cls(0, phase)
+
+    def at(self, step: int, *phases: str) -> bool:
+        """Whether this plan kills in step ``step`` at one of ``phases`` (names of PHASES)."""
+        for p in phases:
+            if p not in PHASES:
+                raise ValueError(f"unknown crash phase {p!r}")
+        return step == self.step and self.phase in phases
+
     def hit(self, step: int, phase: str) -> None:
-        if step == self.step and phase == self.phase:
+        """A crash point of training: SIGKILL when the plan is step ``step``'s ``phase``."""
+        if self.at(step, phase):
             die(f"step {step} {phase}")
+
+    def hit_recovery(self, phase: str) -> None:
+        """A crash point of recovery: SIGKILL when the plan is ``phase`` of RECOVERY_PHASES."""
+        if phase not in RECOVERY_PHASES:
+            raise ValueError(f"unknown recovery crash phase {phase!r}")
+        if self.phase == phase:
+            die(f"recovery {phase}")
 
     def arm_random(self, step: int) -> None:
         """For ``random``: a seeded watchdog that kills at a random moment of this step."""
-        if step != self.step or self.phase != "random":
+        if not self.at(step, RANDOM):
             return
         delay = random.Random(self.seed * 1_000_003 + step).uniform(0.0, self.expected_step_seconds)
         t = threading.Timer(delay, die, args=(f"step {step} random (+{delay * 1e3:.1f} ms)",))

@@ -23,15 +23,11 @@ from memory_pool.durable import atomic_write, json_crc
 from memory_pool.errors import PoolCorruptError, RecoveryError
 
 from .digest import combine_digests
+from .jobdir import JOB_FILE, RANK_PREFIX, is_job
+from .recovery import RecoveryReport, checkpoint_status, recover
 
-__all__ = ["JOB_FILE", "is_job", "rank_dirs", "recover_job", "JobRecoveryReport", "job_committed_steps",
-           "write_job_file", "read_job_file"]
-
-JOB_FILE = "job.json"
-
-
-def is_job(path) -> bool:
-    return (Path(path) / JOB_FILE).exists()
+__all__ = ["JOB_FILE", "is_job", "rank_dirs", "recover_path", "recover_job", "JobRecoveryReport",
+           "job_committed_steps", "write_job_file", "read_job_file"]
 
 
 def _job_crc(body: dict) -> int:
@@ -76,16 +72,15 @@ def read_job_file(path) -> dict:
 
 
 def rank_dirs(path) -> list[Path]:
-    dirs = [p for p in Path(path).glob("rank-*") if p.name[5:].isdigit()]
-    dirs.sort(key=lambda p: int(p.name[5:]))
-    if [int(p.name[5:]) for p in dirs] != list(range(len(dirs))) or not dirs:
+    n = len(RANK_PREFIX)
+    dirs = [p for p in Path(path).glob(f"{RANK_PREFIX}*") if p.name[n:].isdigit()]
+    dirs.sort(key=lambda p: int(p.name[n:]))
+    if [int(p.name[n:]) for p in dirs] != list(range(len(dirs))) or not dirs:
         raise PoolFormatError(f"{path}: rank pools {[p.name for p in dirs]} are not rank-0..rank-N")
     return dirs
 
 
 def job_committed_steps(path) -> list[int | None]:
-    from .recovery import checkpoint_status
-
     out = []
     for d in rank_dirs(path):
         with MemoryPool.open(d, read_only=True) as pool:
@@ -115,9 +110,21 @@ class JobRecoveryReport:
         return d
 
 
-def recover_job(path, *, dry_run: bool = False, digest: bool = True) -> JobRecoveryReport:
-    from .recovery import recover
+def recover_path(path, *, dry_run: bool = False, digest: bool = True,
+                 crash_phase: str | None = None) -> RecoveryReport | JobRecoveryReport:
+    """Recover whatever ``path`` holds: the entry point for a path a user gives (``dlrm-cxl recover``).
 
+    A job of several ranks (``DIR/job.json``): every rank is brought to the newest step all ranks
+    committed (:func:`recover_job`, a JobRecoveryReport; ``crash_phase`` applies to one pool only
+    and is ignored). Anything else is one pool (:func:`checkpointing.recovery.recover`), which
+    refuses one rank of a job alone.
+    """
+    if is_job(path):
+        return recover_job(path, dry_run=dry_run, digest=digest)
+    return recover(path, dry_run=dry_run, digest=digest, crash_phase=crash_phase)
+
+
+def recover_job(path, *, dry_run: bool = False, digest: bool = True) -> JobRecoveryReport:
     t0 = time.perf_counter()
     steps = job_committed_steps(path)
     if any(s is None for s in steps):

@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from memory_pool import MemoryPool
-from memory_pool.errors import PoolCorruptError, RecoveryError
+from memory_pool.errors import PoolCorruptError, PoolFormatError, RecoveryError
 from memory_pool.journal import RecordType, decode_rows, encode_rows
 
-from .crash import die
+from .crash import CrashPlan
 from .digest import state_digest
+from .jobdir import is_job, job_of_rank
 from .store import RUNNING_MARKER, ckpt_dir, commit_doc, is_commit, unpack_dense
 
 __all__ = ["recover", "RecoveryReport", "checkpoint_status", "committed_state", "recover_pool"]
@@ -157,7 +157,11 @@ def _plan(pool: MemoryPool, target: int | None):
 
 def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
                  target_step: int | None = None) -> RecoveryReport:
-    """Recover an open pool (writable unless ``dry_run``). See the module docstring."""
+    """Recover an open pool (writable unless ``dry_run``). See the module docstring.
+
+    ``crash_phase``: kill the process at that moment of recovery (one of
+    :data:`checkpointing.crash.RECOVERY_PHASES`; for tests)."""
+    crash = CrashPlan.recovery(crash_phase) if crash_phase else None
     t0 = time.perf_counter()
     txn, dense, todo, steps = _plan(pool, target_step)
     rep = RecoveryReport(str(pool.path), txn.tag if txn else None, bool(steps or pool.journal.tail), dry_run)
@@ -174,13 +178,13 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
         for i, (tag, t, ids, raw) in enumerate(todo):
             t.restore_raw(ids, raw)
             restored.setdefault(t.name, (t, []))[1].append(ids)
-            if crash_phase == "mid-rollback" and i == 0:
-                die("recovery mid-rollback")
+            if crash is not None and i == 0:
+                crash.hit_recovery("mid-rollback")
         pairs = [(t, torch.unique(torch.cat(ids))) for t, ids in restored.values()]
         if pool.real_pmem:
             pool.persist_rows(pairs)
-        if crash_phase == "before-invalidate":
-            die("recovery before-invalidate")
+        if crash is not None:
+            crash.hit_recovery("before-invalidate")
         # The rows are at the target now (in place on direct tiers); the unfinished records
         # must go before anything new is appended, or a later END would seal them.
         dropped = pool.journal.truncate_tail()
@@ -208,25 +212,28 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
 
 
 def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
-            pool: MemoryPool | None = None, target_step: int | None = None, rank_of_job: bool = False):
-    """Recover the pool at ``path`` (see the module docstring). Returns what it found and did.
+            pool: MemoryPool | None = None, target_step: int | None = None,
+            rank_of_job: bool = False) -> RecoveryReport:
+    """Recover the one pool at ``path`` (see the module docstring). Returns what it found and did.
 
     ``pool``: an already open writable pool to use instead of opening ``path``.
     ``target_step``: roll back to this committed step instead of the newest (several ranks:
     the newest step that every rank committed).
 
-    ``path`` may be a job of several ranks (``DIR/job.json``): every rank is brought to the
-    newest step all ranks committed (a JobRecoveryReport). A single rank of a job is only
-    recovered as part of it (``rank_of_job=True``, which the job and the trainer pass).
+    A job of several ranks (``DIR/job.json``) is not one pool: :func:`checkpointing.job.recover_path`
+    recovers whatever a path holds (a pool or a job; ``dlrm-cxl recover`` uses it). A single rank
+    of a job is only recovered as part of it (``rank_of_job=True``, which the job and the trainer's
+    ranks pass); alone it is refused (RecoveryError).
     """
-    from .job import JOB_FILE, is_job, recover_job
-
-    if pool is None and is_job(path):
-        return recover_job(path, dry_run=dry_run, digest=digest)
-    if not rank_of_job and (Path(path).parent / JOB_FILE).exists() and Path(path).name.startswith("rank-"):
-        raise RecoveryError(f"{path} is one rank of the job at {Path(path).parent}: recovering it alone could "
+    job = job_of_rank(path)
+    if not rank_of_job and job is not None:
+        raise RecoveryError(f"{path} is one rank of the job at {job}: recovering it alone could "
                             f"leave it at another step than the other ranks",
-                            hint=f"recover the whole job: dlrm-cxl recover --pool {Path(path).parent}")
+                            hint=f"recover the whole job: dlrm-cxl recover --pool {job}")
+    if pool is None and is_job(path):
+        raise PoolFormatError(f"{path} is a job of several ranks, not one pool",
+                              hint=f"recover the whole job: dlrm-cxl recover --pool {path} "
+                                   f"(API: checkpointing.job.recover_path)")
     if pool is not None:
         return recover_pool(pool, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step)
     t0 = time.perf_counter()

@@ -84,10 +84,10 @@ class DensePacker:
                 if not all(isinstance(k, (str, int)) for k in x):
                     raise TypeError(f"dense state keys must be str or int, got {list(x)[:3]}")
                 return {"__d__": [[k, walk(v)] for k, v in x.items()]}
-            if isinstance(x, tuple):
-                return {"__tuple__": [walk(v) for v in x]}
-            if isinstance(x, list):
-                return [walk(v) for v in x]
+            if isinstance(x, (tuple, list)):
+                # Python's RNG state is a tuple of 625 ints: one pass, not 625 calls.
+                flat = list(x) if all(type(v) is int for v in x) else [walk(v) for v in x]
+                return {"__tuple__": flat} if isinstance(x, tuple) else flat
             if isinstance(x, (np.integer, np.floating)):
                 return x.item()
             return x

@@ -40,7 +40,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,8 +48,8 @@ from memory_pool import MemoryPool
 from memory_pool.durable import atomic_write, fsync_dir
 from memory_pool.journal import RecordType, encode_rows
 
-from .base import Checkpointer, CheckpointStats, Touched
-from .crash import CrashPlan
+from .base import Checkpointer, CheckpointStats, Step, Touched
+from .crash import COMMIT_PHASES, CrashPlan
 from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
 
 __all__ = ["UndoLogCheckpointer", "NoCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step"]
@@ -73,17 +72,6 @@ def default_compact_bytes(pool: MemoryPool) -> int:
     # amortises the page-granular write-back of the rows over ~125 steps (WA ~1.2). Replay at open
     # reads at most this much journal (about half of it rows).
     return 1 << 30
-
-
-@dataclass
-class Step:
-    """One step's transaction: what it touches, its before-images, whether it updated."""
-
-    k: int
-    touched: list = field(default_factory=list)     # [(Table, rows)]
-    before: list | None = None                      # before-images, in touched order
-    undo: Future | None = None                      # the UNDO records' durability
-    updated: bool = False
 
 
 class UndoLogCheckpointer(Checkpointer):
@@ -171,7 +159,7 @@ class UndoLogCheckpointer(Checkpointer):
         recs = [(RecordType.UNDO, k, encode_rows(name, rows, b)) for (name, rows), b in zip(names, before)]
         n = sum(rows.numel() * 8 + b.numel() * b.element_size() for (_, rows), b in zip(names, before))
         half = len(recs) // 2
-        if self.crash is not None and self.crash.step == k and self.crash.phase == "mid-log":
+        if self.crash is not None and self.crash.at(k, "mid-log"):
             for ref in self.journal.append_many(recs[:half]):
                 self._note_start(ref)
             self.journal.flush()
@@ -233,8 +221,7 @@ class UndoLogCheckpointer(Checkpointer):
         t0 = time.perf_counter()
         cur = self._cur
         self.stats.steps += 1
-        crash_here = (self.crash is not None and self.crash.step == step
-                      and self.crash.phase in ("before-commit", "after-commit", "mid-dense"))
+        crash_here = self.crash is not None and self.crash.at(step, *COMMIT_PHASES)
         if self.coordinator is None:
             due = final or crash_here or step - self._last_submitted >= self.dense_every
         else:
@@ -271,7 +258,7 @@ class UndoLogCheckpointer(Checkpointer):
             fut.result()
 
     def _write_txn(self, step: int, rows, dense) -> None:
-        crash = self.crash if (self.crash is not None and self.crash.step == step) else None
+        crash = self.crash if (self.crash is not None and self.crash.at(step, *COMMIT_PHASES)) else None
         j = self.journal
         if rows:
             for ref in j.append_many([(RecordType.ROWS, step, encode_rows(name, ids, r)) for name, ids, r in rows]):
@@ -360,16 +347,16 @@ class NoCheckpointer(Checkpointer):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stats = CheckpointStats()
         self._marked = False
-        self._step = None
+        self._cur: Step | None = None
         self._packer = DensePacker()
         self._touched: dict[str, tuple] = {}
 
     def hit(self, phase: str) -> None:
-        if self.crash is not None and self._step is not None:
-            self.crash.hit(self._step, phase)
+        if self.crash is not None and self._cur is not None:
+            self.crash.hit(self._cur.k, phase)
 
     def begin_step(self, step):
-        self._step = step
+        self._cur = Step(step)
         if not self._marked:
             atomic_write(self.dir / RUNNING_MARKER, f"{step}\n".encode())
             self._marked = True
@@ -405,7 +392,7 @@ class NoCheckpointer(Checkpointer):
         if final:
             self.checkpoint_now(step)
         self.hit("after-commit")
-        self._step = None
+        self._cur = None
 
     def checkpoint_now(self, step: int) -> None:
         pool, j = self.pool, self.pool.journal

@@ -3,7 +3,8 @@
 Exit codes: 0 ok; 1 unexpected error; 2 bad arguments or input (also: eval/export of a pool
 that needs `recover` first); 3 not a pool / wrong version / volatile pool gone; 4 damage that
 recovery cannot repair (nothing was changed); 5 pool locked by another writer; 6 pool or disk
-full; 7 malformed data; 8 training diverged (NaN/inf loss).
+full; 7 malformed data; 8 training diverged (NaN/inf loss); 9 the device failed a write (EIO).
+Every error class and its exit code: :mod:`dlrm_cxl.errors`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from memory_pool.errors import DlrmCxlError
+from .errors import DlrmCxlError
 
 __all__ = ["main", "build_parser", "model_config_from_args"]
 
@@ -266,9 +267,9 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_recover(args) -> int:
-    from checkpointing import recover
+    from checkpointing.job import recover_path
 
-    rep = recover(args.pool, dry_run=args.dry_run, crash_phase=args.crash_at)
+    rep = recover_path(args.pool, dry_run=args.dry_run, crash_phase=args.crash_at)
     if args.json:
         _print_json(rep.as_dict())
         return 0
@@ -355,8 +356,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from .data import SyntheticData, make_data_source
-    from .evaluation import HeldOutSynthetic, evaluate
+    from .evaluation import eval_source, evaluate
     from .model_io import open_model
     from .options import data_spec
 
@@ -366,13 +366,8 @@ def _cmd_eval(args) -> int:
     try:
         meta = pool.meta
         data = args.data or meta.get("data", "synthetic")
-        spec = data_spec(cfg)
-        if data == "synthetic":
-            # Held out: batches of the training distribution (its seed: the seed also fixes the
-            # true effects, so another seed is another problem) that training does not read.
-            source = HeldOutSynthetic(SyntheticData(spec, seed=meta.get("seed", 0), alpha=meta.get("zipf_alpha", 1.05)))
-        else:
-            source = make_data_source(data, spec, skip_bad_lines=args.skip_bad_lines)
+        source = eval_source(data, data_spec(cfg), seed=meta.get("seed", 0), zipf_alpha=meta.get("zipf_alpha", 1.05),
+                             skip_bad_lines=args.skip_bad_lines)
         res = evaluate(model, source, args.batches)
     finally:
         pool.close()
@@ -443,8 +438,9 @@ def _rank_pools(job: Path) -> list[Path]:
     import fcntl
     import os
 
-    from memory_pool import PoolFormatError, PoolLockedError
     from memory_pool.pool import HEADER
+
+    from .errors import PoolFormatError, PoolLockedError
 
     ranks = sorted((p for p in job.glob("rank-*") if p.name[5:].isdigit() and p.is_dir()),
                    key=lambda p: int(p.name[5:]))
@@ -474,9 +470,11 @@ def _cmd_destroy(args) -> int:
     import shutil
 
     from checkpointing.job import is_job
-    from memory_pool import PoolFormatError, destroy_pool, read_header
+    from memory_pool import destroy_pool, read_header
     from memory_pool.lifecycle import REGION_PREFIX, gc, region_bytes
     from memory_pool.pool import HEADER
+
+    from .errors import PoolFormatError
 
     path = Path(args.pool)
     if not path.is_dir():

@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from checkpointing.digest import combine_digests
 from checkpointing.job import JOB_FILE, read_job_file, write_job_file
-from memory_pool import ConfigMismatchError, PoolFormatError, destroy_pool
+from memory_pool import destroy_pool
+
+from .errors import ConfigMismatchError, PoolFormatError
 
 __all__ = ["DistContext", "init_distributed", "is_distributed_env", "job_file", "rank_dir", "combine_digests",
            "owned_features"]

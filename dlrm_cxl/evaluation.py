@@ -1,15 +1,17 @@
-"""Evaluation: AUC and log loss of a model over batches of a data source, and the held-out
-synthetic data that ``train --eval-every`` and ``eval`` use by default."""
+"""Evaluation: AUC and log loss of a model over batches of a data source, and the data that
+``train --eval-every`` and ``eval`` evaluate on (:func:`eval_source`: one choice for both)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
-from .data import SyntheticData
+from .data import DataSpec, SyntheticData, make_data_source
 from .model import PoolDLRM
 
-__all__ = ["evaluate", "HeldOutSynthetic", "EVAL_SEED_OFFSET"]
+__all__ = ["evaluate", "eval_source", "HeldOutSynthetic", "EVAL_SEED_OFFSET"]
 
 EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches start here: same problem, batches training never reads
 
@@ -25,6 +27,30 @@ class HeldOutSynthetic:
 
     def iter_batches(self, position=None):
         return self.source.iter_batches(position or {"batch": self.first_batch})
+
+
+def eval_source(data: str | os.PathLike | None, spec: DataSpec, *, train_data: str | os.PathLike = "synthetic",
+                seed: int = 0, zipf_alpha: float = 1.05, skip_bad_lines: bool = False):
+    """The data source that ``dlrm-cxl eval`` and ``train --eval-every`` (``Trainer.evaluate``)
+    evaluate on; both call this, so both see the same batches.
+
+    ``data`` is what the user asked for (``eval --data``; ``train --eval-data``); None means the
+    data the model was trained on, ``train_data`` (``--data`` of the run, or the ``data`` the pool
+    records). ``seed``, ``zipf_alpha``: those of the training run (the pool records them).
+
+    What the user gets:
+
+    * ``"synthetic"`` (asked for, or trained on and nothing else asked for): held-out synthetic
+      batches (:class:`HeldOutSynthetic`): the training distribution -- its seed, which also fixes
+      the true effects of the rows, and its Zipf alpha -- from batch ``EVAL_SEED_OFFSET`` on, so
+      batches training never reads.
+    * a file or directory (``--eval-data``/``--data`` of eval, else the training ``--data``): that
+      Criteo TSV file or zarr directory from its start; ``skip_bad_lines`` as for training.
+    """
+    src = data or train_data
+    if str(src) == "synthetic":
+        return HeldOutSynthetic(SyntheticData(spec, seed=seed, alpha=zipf_alpha))
+    return make_data_source(src, spec, seed=seed, skip_bad_lines=skip_bad_lines)
 
 
 @torch.no_grad()

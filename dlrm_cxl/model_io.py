@@ -10,9 +10,9 @@ import torch
 
 from checkpointing import checkpoint_status, committed_state
 from checkpointing.job import is_job
-from memory_pool import MemoryPool, PoolFormatError, read_header
-from memory_pool.errors import NeedsRecoveryError
+from memory_pool import MemoryPool, read_header
 
+from .errors import NeedsRecoveryError, PoolFormatError
 from .model import PRESETS, ModelConfig, PoolDLRM
 
 __all__ = ["NeedsRecoveryError", "stored_config", "open_model", "load_torchrec_state"]

@@ -19,8 +19,9 @@ import torch
 
 from checkpointing import checkpoint_status, recover
 from checkpointing.job import is_job
-from memory_pool import ConfigMismatchError, MemoryPool, PoolFormatError, destroy_pool
+from memory_pool import MemoryPool, destroy_pool
 
+from .errors import ConfigMismatchError, PoolFormatError
 from .model import ModelConfig, SparseOptimizer
 from .options import TrainOptions
 

@@ -8,6 +8,7 @@ after a crash ends at the same step with the same state.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -19,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from checkpointing import CrashPlan, NoCheckpointer, UndoLogCheckpointer, committed_state, state_digest
-from memory_pool import PoolFormatError, TrainingDivergedError
+from memory_pool import PoolFormatError
 
-from .data import Prefetcher, SyntheticData, make_data_source
-from .evaluation import EVAL_SEED_OFFSET, HeldOutSynthetic, evaluate
+from .data import Prefetcher, make_data_source
+from .errors import TrainingDivergedError
+from .evaluation import EVAL_SEED_OFFSET, HeldOutSynthetic, eval_source, evaluate
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, default_dense_every, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, create_model_tables, open_training_pool
@@ -263,6 +265,11 @@ class Trainer:
 
             bar = tqdm(total=o.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True)
         last_pos = self._positions.get(start)
+        # Everything built so far (torch, the model, the pool) lives as long as the run: moved
+        # out of the cyclic GC's reach, a full collection no longer walks it (measured: one
+        # 190 ms collection per ~100 steps on `small`, ~2 ms a step).
+        gc.collect()
+        gc.freeze()
         try:
             if n:
                 with Prefetcher(self.source.iter_batches(last_pos)) as batches:
@@ -304,12 +311,8 @@ class Trainer:
         return summary
 
     def evaluate(self, batches: int, data: str | None = None) -> dict:
-        src = data or self.o.eval_data
-        if src is None and self.o.data == "synthetic":
-            source = HeldOutSynthetic(SyntheticData(self.spec, seed=self.o.seed, alpha=self.o.zipf_alpha))
-        else:
-            source = make_data_source(src or self.o.data, self.spec, seed=self.o.seed,
-                                      skip_bad_lines=self.o.skip_bad_lines)
+        source = eval_source(data or self.o.eval_data, self.spec, train_data=self.o.data, seed=self.o.seed,
+                             zipf_alpha=self.o.zipf_alpha, skip_bad_lines=self.o.skip_bad_lines)
         return evaluate(self.model, source, batches)
 
     def close(self) -> None:

@@ -1,4 +1,9 @@
-"""The project's exception hierarchy.
+"""The pool's errors, and the base of the project's one exception hierarchy.
+
+This module holds the errors of the pool layer (``memory_pool`` and ``checkpointing`` raise them);
+the errors of data, configuration and training subclass the same :class:`DlrmCxlError` in
+:mod:`dlrm_cxl.errors`, which re-exports these too: that module lists every error and its exit
+code. (This layer never imports ``dlrm_cxl``.)
 
 Every error a user can cause derives from :class:`DlrmCxlError` and carries a ``hint``: one
 sentence saying what to do about it. ``str(err)`` includes the hint, so a CLI can print it as is.
@@ -24,12 +29,9 @@ __all__ = [
     "TableNotFoundError",
     "InvalidIdsError",
     "InvalidValuesError",
-    "DataFormatError",
-    "TrainingDivergedError",
     "RecoveryError",
     "NeedsRecoveryError",
     "PoolExistsError",
-    "ConfigMismatchError",
     "InvalidConfigError",
 ]
 
@@ -128,20 +130,6 @@ class InvalidValuesError(DlrmCxlError, ValueError):
     default_hint = "values must be a [len(ids), embedding_dim] tensor of the table's dtype"
 
 
-class DataFormatError(DlrmCxlError, ValueError):
-    """A malformed input line or file; the message names file and line."""
-
-    exit_code = 7
-    default_hint = "fix the input, or pass --skip-bad-lines to skip and count such lines"
-
-
-class TrainingDivergedError(DlrmCxlError):
-    """The loss became NaN/inf; the step was not applied."""
-
-    exit_code = 8
-    default_hint = "lower the learning rate; the pool is still at the last committed step"
-
-
 class RecoveryError(PoolCorruptError):
     """Recovery found damage it cannot repair; it changed nothing."""
 
@@ -169,10 +157,3 @@ class InvalidConfigError(DlrmCxlError, ValueError):
 
     exit_code = 2
     default_hint = "check the arguments against the documentation of the call (or --help)"
-
-
-class ConfigMismatchError(DlrmCxlError, ValueError):
-    """Flags that change the model or data disagree with what the pool was created with."""
-
-    exit_code = 2
-    default_hint = "drop the flag to continue the pool as created, or pass --fresh to start over"

@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
@@ -53,7 +53,8 @@ from .errors import (
 )
 from .lifecycle import record_owner
 from .arena import Arena, page_round
-from .journal import Journal, RecordType, decode_rows, encode_rows
+from .journal import Journal
+from .persistence import Compactor, absorb_rows, latest, persist_rows, replay_plan
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
@@ -100,8 +101,7 @@ class MemoryPool:
         self.stats = PoolStats()
         self._tables: dict[str, Table] = {}
         self._meta_lock = threading.Lock()
-        self._compactor: ThreadPoolExecutor | None = None
-        self._compaction: Future | None = None
+        self._compactor = Compactor()
         self.journal: Journal | None = None
         try:
             cfgs = [TableConfig(t["name"], t["num_embeddings"], t["embedding_dim"], t["dtype"])
@@ -125,7 +125,8 @@ class MemoryPool:
                 # sealing it. (Records of training steps are the checkpointer's: its recovery
                 # reports and drops them.)
                 self.journal.truncate_tail()
-            replay = self._replay_plan() if self.journaled else {}
+            replay = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path) \
+                if self.journaled else {}
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
             # rows (the budget covers each cache's map and metadata too).
@@ -140,70 +141,12 @@ class MemoryPool:
             self.close()
             raise
 
-    # -- the journal: replay at open, persist, compaction
-    def _replay_plan(self) -> dict[str, list]:
-        """ROWS records of every complete transaction, per table, in journal order."""
-        plan: dict[str, list] = {}
-        refs = [r for txn in self.journal.txns for r in txn.records if r.type == RecordType.ROWS]
-        for ref, payload in self.journal.read_many(refs):
-            # Views of the mapped segment (kept mapped while they live); _latest copies them.
-            name, ids, raw = decode_rows(payload)
-            plan.setdefault(name, []).append((ids, raw))
-        unknown = set(plan) - {t["name"] for t in self._header["tables"]}
-        if unknown:
-            raise PoolCorruptError(f"{self.path}: the journal holds rows of unknown tables {sorted(unknown)}")
-        return plan
-
-    @staticmethod
-    def _latest(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenate (ids, raw) parts in order; keep the last value of every row; sort by row."""
-        ids = torch.cat([p[0] for p in parts])
-        raw = torch.cat([p[1] for p in parts])
-        # The last occurrence of each id wins: stable sort, then the last of each equal run.
-        order = torch.sort(ids, stable=True).indices
-        sid = ids[order]
-        last = torch.ones(sid.numel(), dtype=torch.bool)
-        if sid.numel() > 1:
-            last[:-1] = sid[1:] != sid[:-1]
-        keep = order[last]
-        return ids[keep], raw[keep]
-
+    # -- the journal: replay at open, persist, compaction (memory_pool/persistence.py)
     def persist_rows(self, pairs) -> int:
         """Make ``[(table, ids)]`` durable now (trusted ids), in one group commit on a
         journaled tier. Returns the row bytes persisted."""
         self._check_writable()
-        return self._persist_rows(pairs)
-
-    def _persist_rows(self, pairs) -> int:
-        """Make rows durable per the tier: journal (ROWS + one group commit), cache-line flush
-        (real pmem), or nothing (dram, shm: stores are already where they survive)."""
-        pairs = [(t, ids) for t, ids in pairs if ids.numel()]
-        if self.journaled:
-            if not pairs:
-                return 0
-            n = 0
-            for t, ids in pairs:
-                rows = t._region.tensor.index_select(0, ids)
-                self.journal.append(RecordType.ROWS, -1, encode_rows(t.name, ids, rows))
-                t._region.clear_dirty(ids)
-                n += ids.numel() * t.config.row_bytes
-            self.journal.end(-1, {"kind": "persist"})
-            return n
-        return sum(t._region.flush_rows(ids) for t, ids in pairs)
-
-    def _absorb(self, refs) -> None:
-        """Compaction: write the ROWS of journal records back into the table images, newest
-        value per row, sorted and coalesced; durable (fdatasync) before the records are dropped."""
-        parts: dict[str, list] = {}
-        for ref, payload in self.journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
-            name, ids, raw = decode_rows(payload)
-            parts.setdefault(name, []).append((ids.clone(), raw.clone()))
-        for name, p in parts.items():
-            region = self._tables[name]._region
-            ids, raw = self._latest(p)
-            self.stats.bytes_written_back += region.write_back(ids, raw)
-        for name in parts:
-            self._tables[name]._region.sync()
+        return persist_rows(self.journal if self.journaled else None, pairs)
 
     def compact(self, before_seq: int | None = None, *, wait: bool = True) -> Future | None:
         """Write journal segments back into the table images and drop them: every segment
@@ -215,19 +158,12 @@ class MemoryPool:
         if before_seq is None:
             self.journal.rotate()
         seq = self.journal.next_seq if before_seq is None else before_seq
+        absorb = (lambda refs: absorb_rows(self.journal, self._tables, refs, self.stats)) if self.journaled else None
 
         def run():
-            self.stats.bytes_compacted += self.journal.reclaim(seq, self._absorb if self.journaled else None)
+            self.stats.bytes_compacted += self.journal.reclaim(seq, absorb)
 
-        if wait:
-            run()
-            return None
-        if self._compaction is not None and not self._compaction.done():
-            return None
-        if self._compactor is None:
-            self._compactor = ThreadPoolExecutor(1, thread_name_prefix="journal-compactor")
-        self._compaction = self._compactor.submit(run)
-        return self._compaction
+        return self._compactor.run(run, wait=wait)
 
     def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
         """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair. Tables of the
@@ -264,12 +200,11 @@ class MemoryPool:
     @property
     def compacting(self) -> bool:
         """A background compaction is running."""
-        return self._compaction is not None and not self._compaction.done()
+        return self._compactor.running
 
     def wait_compaction(self) -> None:
         """Wait for a background compaction, if one is running (and raise its error)."""
-        if self._compaction is not None:
-            self._compaction.result()
+        self._compactor.wait()
 
     def arena_tensor(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every table of the pool as one flat tensor (no copy): table ``t`` starts at element
@@ -421,7 +356,7 @@ class MemoryPool:
             # The committed rows of the journal go into this process's private working copy:
             # memory copies, no system call per row (the image is brought up to date later, by
             # compaction; the journal keeps them until then, so this is idempotent).
-            region.restore_rows(*self._latest(replay))
+            region.restore_rows(*latest(replay))
             region.take_dirty()
         cache_rows = 0
         if share is not None:
@@ -602,7 +537,8 @@ class MemoryPool:
         on a journaled tier, one group commit for all tables."""
         self._check_writable()
         t0 = time.perf_counter()
-        n = self._persist_rows([(t, t._region.take_dirty()) for t in self._tables.values()])
+        n = persist_rows(self.journal if self.journaled else None,
+                         [(t, t._region.take_dirty()) for t in self._tables.values()])
         st = self.stats
         st.persist_calls += 1
         st.bytes_persisted += n
@@ -624,8 +560,7 @@ class MemoryPool:
         if self._closed:
             return
         self._closed = True
-        if self._compactor is not None:
-            self._compactor.shutdown(wait=True)
+        self._compactor.shutdown()
         if self.journal is not None:
             self.journal.close()
         for t in self._tables.values():

@@ -195,7 +195,7 @@ class Table:
         self.pool._check_writable()
         t0 = time.perf_counter()
         ids = self._region.take_dirty() if ids is None else torch.unique(validate_ids(ids, self.config))
-        n = self.pool._persist_rows([(self, ids)])
+        n = self.pool.persist_rows([(self, ids)])
         st = self.pool.stats
         st.persist_calls += 1
         st.bytes_persisted += n

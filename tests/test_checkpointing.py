@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import checkpointing
-from checkpointing import UndoLogCheckpointer, checkpoint_status, committed_state, recover, state_digest
+from checkpointing import Step, UndoLogCheckpointer, checkpoint_status, committed_state, recover, state_digest
 from checkpointing.store import DensePacker, commit_doc, is_commit, unpack_dense
+from helpers import flip
 from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError
 from memory_pool.errors import RecoveryError
 from memory_pool.journal import Journal, RecordType
@@ -77,14 +78,6 @@ def pool_state(pool: Path) -> dict[str, str]:
             rows = t.read(torch.arange(t.num_embeddings))
             files[f"rows:{name}"] = hashlib.sha256(rows.view(torch.uint8).numpy().tobytes()).hexdigest()
     return files
-
-
-def flip(path: Path, offset: int, mask: int = 0x10) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ mask]))
 
 
 # --------------------------------------------------------------------------- the dense-state record (store.py)
@@ -262,10 +255,11 @@ def test_step_context_manager_restores_the_touched_rows_when_the_block_raises(tm
     # an exception after update(): the rows go back to their before-images, in memory
     with pytest.raises(RuntimeError, match="boom"):
         with ck.step(1) as st:
-            assert st is ck
+            assert isinstance(st, Step) and st.k == 1 and st is ck.current  # the step, not the checkpointer
             ck.log_before_image([(t, rows), (s, rows)])
             ck.persist()
             ck.update(lambda: (t.write(rows, t.read(rows) + 1.0), s.write(rows, s.read(rows) + 2.0)))
+            assert st.updated and [tb.name for tb, _ in st.touched] == [t.name, s.name]
             assert not torch.equal(t.view(), all_before[0])
             raise RuntimeError("boom")
     if pool.journaled:
@@ -308,6 +302,50 @@ def test_step_context_manager_restores_the_touched_rows_when_the_block_raises(tm
     assert rep.state_digest == d1
     with MemoryPool.open(tmp_pool_dir, read_only=True) as p:
         assert torch.equal(p.table("t").read(rows), torch.full((4, 4), 7.0))
+
+
+def test_every_checkpointer_yields_its_step_from_the_step_block(tmp_pool_dir):
+    from checkpointing import NoCheckpointer
+    from checkpointing.baselines import FullSaveCheckpointer
+
+    pool, t, _ = _pool_with_table(tmp_pool_dir, "pmem")
+    dense = Dense()
+    try:
+        for ck in (NoCheckpointer(pool, dense), FullSaveCheckpointer(pool, dense, every=1)):
+            assert ck.current is None
+            with ck.step(1, final=True) as st:
+                assert isinstance(st, Step) and st.k == 1 and st is ck.current
+                ck.log_before_image([(t, torch.tensor([1, 2]))])
+                ck.persist()
+                ck.update(lambda: None)
+            assert ck.current is None
+            ck.close()
+    finally:
+        pool.close()
+
+
+def test_crash_plans_are_asked_not_compared_and_know_every_phase_name():
+    from checkpointing.crash import COMMIT_PHASES, PHASES, RANDOM, RECOVERY_PHASES, STEP_PHASES, CrashPlan
+
+    assert set(COMMIT_PHASES) <= set(STEP_PHASES) and PHASES == STEP_PHASES + (RANDOM,)
+    plan = CrashPlan(4, "mid-dense")
+    assert plan.at(4, "mid-dense") and plan.at(4, *COMMIT_PHASES)
+    assert not plan.at(3, "mid-dense") and not plan.at(4, "mid-log")
+    plan.hit(3, "mid-dense")  # another step: no kill
+    plan.hit(4, "after-log")  # another phase: no kill
+    plan.hit_recovery("mid-rollback")  # a training plan never kills recovery
+    with pytest.raises(ValueError, match="unknown crash phase"):
+        plan.at(4, "mid-dens")
+    with pytest.raises(ValueError, match="unknown crash phase"):
+        CrashPlan(4, "no-such-phase")
+    rec = CrashPlan.recovery("before-invalidate")
+    assert not any(rec.at(rec.step, p) for p in PHASES)
+    rec.hit_recovery("mid-rollback")  # another moment of recovery: no kill
+    with pytest.raises(ValueError):
+        CrashPlan.recovery("mid-dense")
+    with pytest.raises(ValueError):
+        rec.hit_recovery("mid-dense")
+    assert set(RECOVERY_PHASES) == {"mid-rollback", "before-invalidate"}
 
 
 @pytest.mark.parametrize("tier", API_TIERS)
@@ -453,15 +491,45 @@ def test_api_recover_of_a_crashed_training_pool(cli, root):
         checkpointing.recover(root / "api-empty")
 
 
+def test_recover_takes_one_pool_and_recover_path_a_pool_or_a_job(tmp_path):
+    """``recover``: one pool (a job is refused, one rank of a job alone too); ``recover_path``
+    (what ``dlrm-cxl recover`` calls): whatever the path holds."""
+    from checkpointing.job import write_job_file
+
+    job = tmp_path / "job"
+    job.mkdir()
+    write_job_file(job, {"world_size": 1})
+    with MemoryPool.create(job / "rank-0", tier="pmem") as pool:
+        pool.create_table("t", 8, 4)
+    with pytest.raises(PoolFormatError, match="job of several ranks") as e:
+        checkpointing.recover(job)
+    assert "recover_path" in e.value.hint
+    for fn in (checkpointing.recover, checkpointing.recover_path):
+        with pytest.raises(RecoveryError, match="one rank of the job"):
+            fn(job / "rank-0")
+    rep = checkpointing.recover_path(job)
+    assert isinstance(rep, checkpointing.JobRecoveryReport) and rep.committed_step is None and not rep.needed
+    single = tmp_path / "single"
+    with MemoryPool.create(single, tier="pmem") as pool:
+        pool.create_table("t", 8, 4)
+    rep = checkpointing.recover_path(single)
+    assert isinstance(rep, checkpointing.RecoveryReport) and rep.committed_step is None
+
+
 # --------------------------------------------------------------------------- 6. bounded journal
 
 
-def _journal_state(pool: Path) -> tuple[int, list[int], int]:
-    """(live bytes, first seq of every segment, START) of a pool's journal files."""
+def _journal_state(pool: Path) -> tuple[int, list[int], int, int]:
+    """(live bytes, first seq of every segment, START, bytes of every journal file) of a pool's
+    journal. Live bytes are the valid records (a recycled segment's file also holds the stale
+    bytes of its previous life); the files (segments and the free ones kept for reuse) are
+    what the journal occupies."""
     d = storage_dir(pool) / "journal"
     segs = sorted(d.glob("seg-*.log"))
     start = int((d / "START").read_text()) if (d / "START").exists() else 0
-    return sum(p.stat().st_size for p in segs), [int(p.stem[4:], 16) for p in segs], start
+    j = Journal(d, read_only=True)
+    footprint = sum(p.stat().st_size for p in [*segs, *d.glob("free-*.log")])
+    return j.live_bytes, [int(p.stem[4:], 16) for p in segs], start, footprint
 
 
 @pytest.mark.parametrize("tier,dense_every", [("shm", 1), ("shm", 10), ("power-sim", 1), ("power-sim", 10)])
@@ -473,7 +541,7 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
     the same state."""
     pool = root / f"bounded-{tier}-{dense_every}"
     env = {**os.environ, "DLRM_CXL_COMPACT_MB": "1", "PYTHONPATH": str(REPO)}
-    live = []
+    live, files = [], []
     for steps in (40, 80):  # the second run reopens the pool: its journal must not keep the first's
         proc = subprocess.run(torture.cli_cmd("train", "--pool", pool, *flags(tier), "--dense-every", dense_every,
                                               "--steps", steps, "--json"),
@@ -483,8 +551,9 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
         assert ck["last_commit_step"] == steps and ck["checkpoints"] >= 2
         appended = ck["bytes_durable_per_step"] * ck["steps"]
         assert appended > 2 << 20, "the run must append well past the threshold for the test to mean anything"
-        n, firsts, start = _journal_state(pool)
+        n, firsts, start, footprint = _journal_state(pool)
         live.append(n)
+        files.append(footprint)
         # The threshold, plus what is appended while a background compaction runs (at most about
         # another threshold's worth), plus a few recovery intervals.
         bound = 2 * (1 << 20) + 3 * dense_every * ck["bytes_durable_per_step"] + (256 << 10)
@@ -496,6 +565,7 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
         assert info["step"] == steps and info["state_digest"] == doc["state_digest"]
         assert not info["checkpoint"]["needs_recovery"]
     assert live[1] < 2 * max(live[0], 1 << 20), live
+    assert files[1] < 2 * max(files[0], 1 << 20), files  # recycled segments: the files do not grow either
 
 
 def test_a_long_recovery_interval_rolls_back_every_step_since_the_last_recovery_point(cli, root):

@@ -31,7 +31,7 @@ from dlrm_cxl.data import (
     criteo_feature_names,
     make_data_source,
 )
-from memory_pool.errors import DataFormatError
+from dlrm_cxl.errors import DataFormatError
 
 # The repo carries its own copy of the samples; fall back to shared/ beside the repo.
 _LOCAL = Path(__file__).resolve().parent / "data"

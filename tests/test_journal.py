@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import flip
 from memory_pool import MemoryPool, NeedsRecoveryError, PoolCorruptError
 from memory_pool.journal import (REC, SEG, Journal, JournalCorruptError, RecordType, decode_rows,
                                  encode_rows)
@@ -46,14 +47,6 @@ def segments(d: Path) -> list[Path]:
 def files(d: Path) -> dict[str, str]:
     """sha256 of every file of a directory (names included: a deleted file shows)."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
-
-
-def flip(path: Path, offset: int, mask: int = 0x10) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ mask]))
 
 
 def reopen(d: Path, **kw) -> Journal:

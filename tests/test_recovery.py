@@ -44,6 +44,7 @@ import pytest
 
 import checkpointing
 from checkpointing.store import ckpt_dir, is_commit
+from helpers import flip
 from memory_pool.errors import PoolCorruptError, RecoveryError
 from memory_pool.journal import Journal, RecordType
 
@@ -137,14 +138,6 @@ def check_clean_journal(pool: Path, c: int) -> None:
     assert commits and commits[-1].tag == c and j.last is commits[-1], [t.tag for t in commits[-3:]]
     assert [r.type for r in commits[-1].records].count(RecordType.DENSE) == 1
     assert j.tail == [] and j.torn_bytes == 0 and j.tail_damage is None
-
-
-def flip(path: Path, offset: int, mask: int = 0x10) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ mask]))
 
 
 def cut(path: Path, start: int, end: int) -> None:

@@ -11,12 +11,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpointing import checkpoint_status, recover
 from dlrm_cxl.data import SyntheticData, convert_tsv_to_zarr
+from dlrm_cxl.errors import ConfigMismatchError, TrainingDivergedError
 from dlrm_cxl.model import PRESETS
 from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec, evaluate
-from memory_pool import ConfigMismatchError, MemoryPool, TrainingDivergedError, destroy_pool
+from memory_pool import MemoryPool, destroy_pool
 
 DATA = Path(__file__).resolve().parent / "data"
 TSV = DATA / "criteo_sample_100.tsv"
@@ -91,6 +93,23 @@ def test_trainer_evaluate_on_default_heldout_synthetic_data_sees_the_learning(tm
         tr.close()
     assert ours > 0.6
     assert theirs > 0.6, f"Trainer.evaluate held-out AUC {theirs:.3f}, same-distribution held-out {ours:.3f}"
+
+
+def test_eval_source_is_held_out_synthetic_for_synthetic_data_else_the_file():
+    """``eval_source``: the one choice of eval data for ``dlrm-cxl eval`` and ``Trainer.evaluate``."""
+    from dlrm_cxl.data import CriteoTSVReader
+    from dlrm_cxl.evaluation import EVAL_SEED_OFFSET, HeldOutSynthetic, eval_source
+
+    spec = data_spec(TINY)
+    for data, train_data in ((None, "synthetic"), ("synthetic", "synthetic"), ("synthetic", str(TSV))):
+        src = eval_source(data, spec, train_data=train_data, seed=3, zipf_alpha=1.2)
+        assert isinstance(src, HeldOutSynthetic) and src.first_batch == EVAL_SEED_OFFSET
+        batch, _ = next(src.iter_batches())  # the training distribution's batch EVAL_SEED_OFFSET
+        want, _ = next(SyntheticData(spec, seed=3, alpha=1.2).iter_batches({"batch": EVAL_SEED_OFFSET}))
+        assert torch.equal(batch.dense, want.dense) and torch.equal(batch.labels, want.labels)
+    for data, train_data in ((None, str(TSV)), (str(TSV), "synthetic"), (str(TSV_HELDOUT), str(TSV))):
+        src = eval_source(data, spec, train_data=train_data, skip_bad_lines=True)
+        assert isinstance(src, CriteoTSVReader) and src.path == Path(data or train_data) and src.skip_bad_lines
 
 
 # --------------------------------------------------------------------------- determinism / resume

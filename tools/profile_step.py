@@ -14,6 +14,7 @@ time outside them (the loop, waiting for the next batch), and the busiest operat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
                 tr._positions = {tr.step: None, k: pos}
                 tr.train_step(k, batch)
             tr.ckpt.drain()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CPU], with_stack=bool(os.environ.get("PROF_STACK"))) as prof:
                 t0 = time.perf_counter()
                 for k in range(a.warmup + 1, total + 1):
                     batch, pos = next(batches)

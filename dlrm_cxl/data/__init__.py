@@ -52,7 +52,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from memory_pool.errors import DataFormatError
+from ..errors import DataFormatError
 
 from .batch import (
     CRITEO_NUM_DENSE,

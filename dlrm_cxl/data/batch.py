@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from memory_pool.errors import DataFormatError
+from ..errors import DataFormatError
 
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from memory_pool.errors import DataFormatError
+from ..errors import DataFormatError
 
 from .batch import Batch, DataSpec, _bad_position, _nonneg_int, _validate_spec, make_batch
 

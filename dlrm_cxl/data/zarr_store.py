@@ -11,7 +11,7 @@ from typing import Iterator
 
 import numpy as np
 
-from memory_pool.errors import DataFormatError
+from ..errors import DataFormatError
 
 from .batch import Batch, DataSpec, _bad_position, _is_int, _nonneg_int, _validate_spec, make_batch
 from .criteo import CriteoTSVReader

@@ -1,0 +1,118 @@
+"""How a pool makes rows durable on its journal, and keeps the journal short.
+
+* :func:`persist_rows`: a journaled tier (emulated pmem, power-sim) appends the rows'
+  after-images as ``ROWS`` records and commits them in one group commit; real pmem flushes the
+  rows' cache lines; shm and dram have nothing to do (their stores are already where they
+  survive).
+* :func:`replay_plan` + :func:`latest`: opening a journaled pool reads the ``ROWS`` of every
+  complete transaction, newest value per row, for the private working copy (idempotent: the
+  journal keeps them until a compaction has written them into the images).
+* :func:`absorb_rows` + :class:`Compactor`: compaction writes them back into the table images,
+  sorted, newest value per row, durable before the journal drops the segments; one compaction
+  at a time, on a background thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import PoolCorruptError
+from .journal import Journal, RecordType, decode_rows, encode_rows
+
+__all__ = ["persist_rows", "replay_plan", "latest", "absorb_rows", "Compactor"]
+
+
+def persist_rows(journal: Journal | None, pairs) -> int:
+    """Make rows ``[(table, ids)]`` (trusted ids) durable: on ``journal`` when the tier is
+    journaled (ROWS + one group commit), else by the region's own flush. Returns row bytes."""
+    pairs = [(t, ids) for t, ids in pairs if ids.numel()]
+    if journal is None:
+        return sum(t._region.flush_rows(ids) for t, ids in pairs)
+    if not pairs:
+        return 0
+    n = 0
+    for t, ids in pairs:
+        rows = t._region.tensor.index_select(0, ids)
+        journal.append(RecordType.ROWS, -1, encode_rows(t.name, ids, rows))
+        t._region.clear_dirty(ids)
+        n += ids.numel() * t.config.row_bytes
+    journal.end(-1, {"kind": "persist"})
+    return n
+
+
+def replay_plan(journal: Journal, tables: set[str], where: Path) -> dict[str, list]:
+    """ROWS records of every complete transaction, per table, in journal order."""
+    plan: dict[str, list] = {}
+    refs = [r for txn in journal.txns for r in txn.records if r.type == RecordType.ROWS]
+    for ref, payload in journal.read_many(refs):
+        # Views of the mapped segment (kept mapped while they live); latest() copies them.
+        name, ids, raw = decode_rows(payload)
+        plan.setdefault(name, []).append((ids, raw))
+    unknown = set(plan) - set(tables)
+    if unknown:
+        raise PoolCorruptError(f"{where}: the journal holds rows of unknown tables {sorted(unknown)}")
+    return plan
+
+
+def latest(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate (ids, raw) parts in order; keep the last value of every row; sort by row."""
+    ids = torch.cat([p[0] for p in parts])
+    raw = torch.cat([p[1] for p in parts])
+    # The last occurrence of each id wins: stable sort, then the last of each equal run.
+    order = torch.sort(ids, stable=True).indices
+    sid = ids[order]
+    last = torch.ones(sid.numel(), dtype=torch.bool)
+    if sid.numel() > 1:
+        last[:-1] = sid[1:] != sid[:-1]
+    keep = order[last]
+    return ids[keep], raw[keep]
+
+
+def absorb_rows(journal: Journal, tables: dict, refs, stats) -> None:
+    """Compaction: write the ROWS of journal records back into the table images, newest value
+    per row, sorted and coalesced; durable (fdatasync) before the records are dropped."""
+    parts: dict[str, list] = {}
+    for ref, payload in journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
+        name, ids, raw = decode_rows(payload)
+        parts.setdefault(name, []).append((ids.clone(), raw.clone()))
+    for name, p in parts.items():
+        stats.bytes_written_back += tables[name]._region.write_back(*latest(p))
+    for name in parts:
+        tables[name]._region.sync()
+
+
+class Compactor:
+    """One compaction at a time, inline or on a background thread."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: Future | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._job is not None and not self._job.done()
+
+    def run(self, fn: Callable[[], None], *, wait: bool) -> Future | None:
+        """Run ``fn`` now (``wait``), or in the background: None if one is still running."""
+        if wait:
+            fn()
+            return None
+        if self.running:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="journal-compactor")
+        self._job = self._pool.submit(fn)
+        return self._job
+
+    def wait(self) -> None:
+        """Wait for the background compaction, if one is running (and raise its error)."""
+        if self._job is not None:
+            self._job.result()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
