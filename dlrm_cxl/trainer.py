@@ -115,6 +115,16 @@ class Trainer:
     def _dense_state(self, step: int, *, copy: bool = True) -> dict:
         return capture_dense_state(step, self.model, self.dense_opt, self._positions.get(step), copy=copy)
 
+    def dense_state(self, step: int) -> dict:
+        """The dense snapshot of ``step`` (copies): parameters, dense optimizer state, data
+        position, RNG states. What a checkpointer stores and the digest covers."""
+        return self._dense_state(step)
+
+    def set_batch_position(self, k: int, position) -> None:
+        """Step ``k`` trains on the batch at data ``position`` (part of step ``k``'s dense state;
+        the loop does this for every batch it takes from its source)."""
+        self._positions = {self.step: self._positions.get(self.step), k: position}
+
     def _live_dense_state(self, step: int) -> dict:
         # For the checkpointer, which packs (copies) the tensors into its buffer at once.
         return self._dense_state(step, copy=False)
@@ -275,7 +285,7 @@ class Trainer:
                 with Prefetcher(self.source.iter_batches(last_pos)) as batches:
                     for k in range(start + 1, o.steps + 1):
                         batch, pos = next(batches)
-                        self._positions = {self.step: self._positions.get(self.step), k: pos}
+                        self.set_batch_position(k, pos)
                         ts = time.perf_counter()
                         losses.append(self.train_step(k, batch))
                         last_pos = pos

@@ -59,21 +59,16 @@ import json
 import os
 import struct
 import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import google_crc32c
 import numpy as np
-import torch
 
 from .durable import atomic_write, fsync_dir, raise_if_full
+from .records import crc32c, decode_rows, encode_rows  # noqa: F401  (payload formats)
 from .errors import NeedsRecoveryError, PoolCorruptError, PoolReadOnlyError
-
-# Payloads are decoded from read-only mappings of the segments (torch.frombuffer warns about
-# non-writable buffers; the tensors are only read, and copied by whoever keeps them).
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "encode_rows",
            "decode_rows", "crc32c"]
@@ -84,7 +79,6 @@ SEG_RECYCLED = 1                          # flags: the bytes after the valid rec
 KEEP_FREE = 16                            # reclaimed segments kept for reuse (16 x 64 MiB at most)
 REC_MAGIC = b"DCXR"
 REC = struct.Struct("<4sB3xQqQII")        # magic, type, seq, tag, length, payload crc, header crc (40)
-ROWS_HEAD = struct.Struct("<HIQ")         # name length, row bytes, n rows
 VERSION = 1
 
 
@@ -100,13 +94,6 @@ class JournalCorruptError(PoolCorruptError):
 
     exit_code = 4
     default_hint = "the pool's journal is damaged; restore the pool from a copy (nothing was changed)"
-
-
-def crc32c(parts: Iterable, crc: int = 0) -> int:
-    for p in parts:
-        # the C extension takes bytes or numpy arrays, not writable memoryviews/bytearrays
-        crc = google_crc32c.extend(crc, p if isinstance(p, bytes) else np.frombuffer(p, dtype=np.uint8))
-    return crc
 
 
 @dataclass(frozen=True)
@@ -170,35 +157,6 @@ def _parse_header(raw: bytes):
     if google_crc32c.value(bytes(raw[:REC.size - 4])) != hcrc:
         return None
     return rtype, seq, tag, length, pcrc
-
-
-# --------------------------------------------------------------------------- row payloads
-
-
-def encode_rows(name: str, ids: torch.Tensor, rows: torch.Tensor) -> list:
-    """Payload parts of a ROWS/UNDO record: name, ids (int64), raw row bytes. No copy of ``rows``."""
-    nb = name.encode()
-    ids = ids.to(torch.int64).contiguous()
-    data = rows.contiguous().view(torch.uint8).reshape(ids.numel(), -1) if ids.numel() else rows.new_empty(0, dtype=torch.uint8)
-    row_bytes = data.shape[1] if ids.numel() else rows.shape[-1] * rows.element_size()
-    return [ROWS_HEAD.pack(len(nb), row_bytes, ids.numel()) + nb,
-            memoryview(ids.numpy()).cast("B"), memoryview(data.reshape(-1).numpy()).cast("B")]
-
-
-def decode_rows(payload) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """(table name, ids int64 [n], raw rows uint8 [n, row_bytes]) of a ROWS/UNDO payload."""
-    mv = memoryview(payload)
-    nlen, row_bytes, n = ROWS_HEAD.unpack_from(mv)
-    p = ROWS_HEAD.size
-    name = bytes(mv[p:p + nlen]).decode()
-    p += nlen
-    if len(mv) != p + 8 * n + row_bytes * n:
-        raise ValueError(f"row record of {len(mv)} bytes does not hold {n} rows of {row_bytes} bytes")
-    ids = torch.frombuffer(mv[p:p + 8 * n], dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
-    p += 8 * n
-    data = (torch.frombuffer(mv[p:], dtype=torch.uint8).view(n, row_bytes) if n
-            else torch.empty(0, row_bytes, dtype=torch.uint8))
-    return name, ids, data
 
 
 # --------------------------------------------------------------------------- the journal

@@ -142,7 +142,7 @@ class PoolVariant:
         self.trainer = Trainer(o, self.cfg, log=lambda s: None)
         if self.ckpt_factory is not None:
             self.trainer.ckpt.close()
-            self.trainer.ckpt = self.ckpt_factory(self.trainer.pool, self.trainer._dense_state)
+            self.trainer.ckpt = self.ckpt_factory(self.trainer.pool, self.trainer.dense_state)
         self.k = self.trainer.step
         self.durability = self.trainer.pool.durability
 
@@ -157,7 +157,7 @@ class PoolVariant:
         t0 = time.perf_counter()
         for _ in range(n):
             k = self.k + 1
-            tr._positions = {tr.step: tr._positions.get(tr.step), k: {"batch": k}}
+            tr.set_batch_position(k, {"batch": k})
             tr.train_step(k, self.batches[(k - 1) % nb])
             self.k = k
         t1 = time.perf_counter()

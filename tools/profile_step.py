@@ -54,14 +54,14 @@ def main(argv=None) -> int:
         with Prefetcher(tr.source.iter_batches(None)) as batches:
             for k in range(1, a.warmup + 1):
                 batch, pos = next(batches)
-                tr._positions = {tr.step: None, k: pos}
+                tr.set_batch_position(k, pos)
                 tr.train_step(k, batch)
             tr.ckpt.drain()
             with profile(activities=[ProfilerActivity.CPU], with_stack=bool(os.environ.get("PROF_STACK"))) as prof:
                 t0 = time.perf_counter()
                 for k in range(a.warmup + 1, total + 1):
                     batch, pos = next(batches)
-                    tr._positions = {tr.step: None, k: pos}
+                    tr.set_batch_position(k, pos)
                     tr.train_step(k, batch)
                 wall = time.perf_counter() - t0
         ev = {e.key: e for e in prof.key_averages()}
