@@ -13,13 +13,12 @@ compact separators: the convention of the pool's ``pool.json`` header. Written t
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from memory_pool import MemoryPool, PoolFormatError
-from memory_pool.durable import atomic_write, json_crc
+from memory_pool.durable import atomic_write, json_crc, json_with_crc, parse_json_object
 from memory_pool.errors import PoolCorruptError, RecoveryError
 
 from .digest import combine_digests
@@ -30,15 +29,10 @@ __all__ = ["JOB_FILE", "is_job", "rank_dirs", "recover_path", "recover_job", "Jo
            "job_committed_steps", "write_job_file", "read_job_file"]
 
 
-def _job_crc(body: dict) -> int:
-    return json_crc(body)
-
-
 def write_job_file(path, job: dict) -> None:
     """Durably write ``DIR/job.json``: ``job`` (JSON-able) plus the crc32 of its canonical JSON."""
     body = {k: v for k, v in job.items() if k != "crc32"}
-    doc = {**body, "crc32": _job_crc(body)}
-    atomic_write(Path(path) / JOB_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write(Path(path) / JOB_FILE, json_with_crc(body, indent=1))
 
 
 def read_job_file(path) -> dict:
@@ -53,18 +47,13 @@ def read_job_file(path) -> dict:
         raise PoolFormatError(f"{path} is not a job of several ranks: {JOB_FILE} is missing") from None
     except OSError as exc:
         raise PoolFormatError(f"{f}: unreadable job file ({exc})") from None
-    try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PoolCorruptError(f"{f}: job file is not valid JSON ({exc}): truncated or damaged",
-                               hint="the job file is damaged; restore it from a copy, or start over with --fresh") from None
+    doc = parse_json_object(raw, f, "job file",
+                            hint="the job file is damaged; restore it from a copy, or start over with --fresh")
     body = {k: v for k, v in doc.items() if k != "crc32"}
     if "crc32" not in doc:
         raise PoolCorruptError(f"{f}: job file has no checksum (crc32): damaged, or written by an older dlrm-cxl",
                                hint="start over with --fresh")
-    crc = _job_crc(body)
+    crc = json_crc(body)
     if doc["crc32"] != crc:
         raise PoolCorruptError(f"{f}: job file checksum mismatch (stored {doc['crc32']}, computed {crc})",
                                hint="the job file is damaged; restore it from a copy, or start over with --fresh")

@@ -18,9 +18,10 @@ import os
 import zlib
 from pathlib import Path
 
-from .errors import PoolFullError, PoolIOError
+from .errors import PoolCorruptError, PoolFullError, PoolIOError
 
-__all__ = ["atomic_write", "fsync_dir", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "FULL_ERRNOS"]
+__all__ = ["atomic_write", "fsync_dir", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "parse_json_object",
+           "FULL_ERRNOS"]
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # "the disk is full", in its forms
 
@@ -84,3 +85,15 @@ def json_with_crc(body: dict, *, indent: int | None = None) -> bytes:
 def json_crc_ok(doc: dict) -> bool:
     """True when ``doc`` carries the right ``crc32`` for the rest of it."""
     return isinstance(doc, dict) and "crc32" in doc and doc["crc32"] == json_crc(doc)
+
+
+def parse_json_object(raw: bytes, where, what: str, hint: str | None = None) -> dict:
+    """``raw`` as a JSON object, or ``PoolCorruptError`` naming ``where`` and ``what`` (a
+    truncated or damaged file: not JSON, or JSON but not an object)."""
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PoolCorruptError(f"{where}: {what} is not valid JSON ({exc}): truncated or damaged", hint=hint) from None
+    return doc

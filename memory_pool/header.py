@@ -4,10 +4,9 @@ atomically and durably (``durable.atomic_write``) whenever it changes."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .durable import json_crc, json_with_crc
+from .durable import json_crc, json_with_crc, parse_json_object
 from .errors import PoolCorruptError, PoolFormatError, PoolVersionError
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "HEADER", "header_bytes", "read_header"]
@@ -30,12 +29,7 @@ def read_header(path: Path) -> dict:
         raw = hp.read_bytes()
     except FileNotFoundError:
         raise PoolFormatError(f"{path} is not a pool: {HEADER} is missing") from None
-    try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PoolCorruptError(f"{hp}: header is not valid JSON ({exc}): truncated or damaged") from None
+    doc = parse_json_object(raw, hp, "header")
     if doc.get("magic") != MAGIC:
         raise PoolFormatError(f"{hp}: wrong magic {doc.get('magic')!r}, expected {MAGIC!r}: not a dlrm-cxl pool")
     crc = json_crc(doc)

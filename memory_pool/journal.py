@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import enum
 import json
+import mmap
 import os
 import struct
 import threading
@@ -267,7 +268,7 @@ class Journal:
                 break
         if bad is not None:
             seg, off, why = bad
-            later = self._valid_after(seg.path, off, expect)
+            later = self._valid_after(seg, off, expect)
             if any(r.type == RecordType.END for r in later):
                 raise JournalCorruptError(f"journal segment {seg.path.name} at byte {off}: {why}, before a durable "
                                           f"transaction end (record {later[-1].seq})")
@@ -293,17 +294,25 @@ class Journal:
         self.next_seq = expect if not pending else pending[-1].seq + 1
         self._tail_clean = not self.tail and self.torn_bytes == 0
 
-    def _valid_after(self, path: Path, off: int, after_seq: int) -> list[RecordRef]:
-        """Valid record headers after a bad spot (searching for the record magic)."""
-        data = path.read_bytes()
-        out = []
-        pos = data.find(REC_MAGIC, off + 1)
-        while pos >= 0:
-            h = _parse_header(data[pos:pos + REC.size])
-            if h is not None and h[1] >= after_seq and pos + REC.size + h[3] <= len(data):
-                if google_crc32c.value(data[pos + REC.size:pos + REC.size + h[3]]) == h[4]:
-                    out.append(RecordRef(path, pos, h[0], h[1], h[2], h[3], h[4]))
-            pos = data.find(REC_MAGIC, pos + 1)
+    def _valid_after(self, seg: _Segment, off: int, after_seq: int) -> list[RecordRef]:
+        """Valid record headers after a bad spot (searching for the record magic), up to the
+        first record of an earlier life of the file: a recycled segment was written from its
+        header on, so whatever of this life lies after the bad spot comes before the stale
+        bytes (and a fresh segment has none). Reads no further than that."""
+        out: list[RecordRef] = []
+        with open(seg.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size <= off:
+                return out
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                pos = data.find(REC_MAGIC, off + 1)
+                while pos >= 0:
+                    h = _parse_header(data[pos:pos + REC.size])
+                    if h is not None and h[1] < seg.first_seq:
+                        break  # the previous life of a recycled segment begins here
+                    if h is not None and h[1] >= after_seq and pos + REC.size + h[3] <= len(data):
+                        if google_crc32c.value(data[pos + REC.size:pos + REC.size + h[3]]) == h[4]:
+                            out.append(RecordRef(seg.path, pos, h[0], h[1], h[2], h[3], h[4]))
+                    pos = data.find(REC_MAGIC, pos + 1)
         return out
 
     # -- reading
@@ -330,8 +339,6 @@ class Journal:
         """Yield ``(ref, payload)`` for ``refs`` (in order), verified; each segment is mapped once
         (replay and compaction read thousands of records: no open/read per record). Payloads
         are views of the mapping: use them before the next one is yielded... or copy."""
-        import mmap
-
         maps: dict[Path, mmap.mmap] = {}
         try:
             for ref in refs:

@@ -441,18 +441,25 @@ def _journal_bytes(pool_dir: Path) -> int:
     return sum(p.stat().st_size for p in (pool_dir / "journal").glob("seg-*.log"))
 
 
-def test_journal_replay_at_open_is_idempotent_and_compaction_keeps_the_contents(tmp_pool_dir):
+def _three_persisted_batches(path: Path) -> tuple[MemoryPool, dict[str, torch.Tensor]]:
+    """A new power-sim pool (left open) with tables a [ROWS, DIM] and b [ROWS, 1] after three
+    persisted batches of 20 rows, and every row of both as persisted."""
     g = torch.Generator().manual_seed(5)
-    with MemoryPool.create(tmp_pool_dir, tier="power-sim") as pool:
-        a = pool.create_table("a", ROWS, DIM, init="zeros")
-        b = pool.create_table("b", ROWS, 1, init="zeros")
-        for r in range(3):
-            ids = torch.randperm(ROWS, generator=g)[:20]
-            a.write(ids, torch.randn(20, DIM, generator=g))
-            b.write(ids, torch.full((20, 1), float(r + 1)))
-            pool.persist()
-        want = {"a": a.read(torch.arange(ROWS)), "b": b.read(torch.arange(ROWS))}
-        a.write([1, 2], torch.full((2, DIM), 99.0))  # not persisted: not in the journal
+    pool = MemoryPool.create(path, tier="power-sim")
+    a = pool.create_table("a", ROWS, DIM, init="zeros")
+    b = pool.create_table("b", ROWS, 1, init="zeros")
+    for r in range(3):
+        ids = torch.randperm(ROWS, generator=g)[:20]
+        a.write(ids, torch.randn(20, DIM, generator=g))
+        b.write(ids, torch.full((20, 1), float(r + 1)))
+        pool.persist()
+    return pool, {"a": a.read(torch.arange(ROWS)), "b": b.read(torch.arange(ROWS))}
+
+
+def test_journal_replay_at_open_is_idempotent_and_compaction_keeps_the_contents(tmp_pool_dir):
+    pool, want = _three_persisted_batches(tmp_pool_dir)
+    with pool:
+        pool.table("a").write([1, 2], torch.full((2, DIM), 99.0))  # not persisted: not in the journal
     image = (tmp_pool_dir / "tables" / "a.bin").read_bytes()
     assert torch.equal(torch.frombuffer(bytearray(image), dtype=torch.float32), torch.zeros(ROWS * DIM))
 
@@ -567,16 +574,8 @@ raise SystemExit("not killed")
 @pytest.mark.parametrize("phase", ["replay", "write-back", "sync", "start-written"])
 def test_sigkill_during_replay_or_compaction_recovers_the_persisted_contents(tmp_path, tmp_pool_dir, run_py,
                                                                              phase):
-    g = torch.Generator().manual_seed(5)
-    with MemoryPool.create(tmp_pool_dir, tier="power-sim") as pool:
-        a = pool.create_table("a", ROWS, DIM, init="zeros")
-        b = pool.create_table("b", ROWS, 1, init="zeros")
-        for r in range(3):
-            ids = torch.randperm(ROWS, generator=g)[:20]
-            a.write(ids, torch.randn(20, DIM, generator=g))
-            b.write(ids, torch.full((20, 1), float(r + 1)))
-            pool.persist()
-        want = {"a": a.read(torch.arange(ROWS)), "b": b.read(torch.arange(ROWS))}
+    pool, want = _three_persisted_batches(tmp_pool_dir)
+    pool.close()
     saved = tmp_path / "want.pt"
     proc = run_py(CHILD_POOL, tmp_pool_dir, phase, saved, check=False)
     assert proc.returncode == -9, (proc.returncode, proc.stderr[-3000:])

@@ -36,7 +36,6 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import google_crc32c  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dlrm_cxl.model import PRESETS  # noqa: E402

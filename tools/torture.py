@@ -233,6 +233,15 @@ def _serve() -> int:
     return 0
 
 
+def wait_event(event: threading.Event, proc, timeout: float, *, tick: float) -> bool:
+    """True once ``event`` is set; False if ``proc`` ended first or ``timeout`` s passed."""
+    deadline = time.monotonic() + timeout
+    while not event.wait(tick):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return event.is_set()
+    return True
+
+
 class ForkServer:
     """Runs CLI commands in children forked from one warm interpreter. See the module docstring.
 
@@ -249,26 +258,21 @@ class ForkServer:
         self._read(start_timeout)  # {"ready": pid}
 
     def _read(self, timeout: float) -> dict:
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("fork server did not answer in time")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    raise RuntimeError(f"fork server exited (rc {self.proc.poll()})")
-                self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        answer = self._answer(timeout)
+        if answer is None:
+            raise TimeoutError("fork server did not answer in time")
+        return answer
 
     def _poll(self) -> dict | None:
         """The next answer if one is there already, else None (does not wait)."""
+        return self._answer(0.0)
+
+    def _answer(self, timeout: float) -> dict | None:
+        """The next answer line of the fork server, waiting up to ``timeout`` s (None: none yet)."""
         fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
         while b"\n" not in self._buf:
-            r, _, _ = select.select([fd], [], [], 0)
+            r, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
             if not r:
                 return None
             chunk = os.read(fd, 65536)
@@ -484,11 +488,7 @@ class _Train:
 
     def wait_banner(self, timeout: float) -> bool:
         """True once the banner is printed; False if the process ended first or time ran out."""
-        deadline = time.monotonic() + timeout
-        while not self.banner.wait(0.002):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return self.banner.is_set()
-        return True
+        return wait_event(self.banner, self.proc, timeout, tick=0.002)
 
     def poll(self) -> int | None:
         return self.proc.poll()

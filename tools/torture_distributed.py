@@ -64,7 +64,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torture import BAR_ENV, BAR_RE, BAR_RATE_RE, REPO, Cli, _child_env, _destroy_under, parse_digest  # noqa: E402
+from torture import (BAR_ENV, BAR_RE, BAR_RATE_RE, REPO, Cli, _child_env, _destroy_under, parse_digest,  # noqa: E402
+                     wait_event)
 
 BANNER_RE = re.compile(r"^dlrm-cxl: pool .*\| step (\d+) -> (\d+)\s*$")
 RECOVERED_RE = re.compile(r"recovered to step (\d+): rolled back (\d+) steps, (\d+) rows")
@@ -114,11 +115,7 @@ class Job:
                 self._err_marks.append((len(self.err), time.monotonic()))
 
     def wait_banner(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.banner.wait(0.005):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return self.banner.is_set()
-        return True
+        return wait_event(self.banner, self.proc, timeout, tick=0.005)
 
     def wait(self, timeout: float) -> int:
         try:
