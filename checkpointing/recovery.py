@@ -30,7 +30,7 @@ import torch
 
 from memory_pool import MemoryPool
 from memory_pool.errors import PoolCorruptError, PoolFormatError, RecoveryError
-from memory_pool.journal import RecordType, decode_rows, encode_rows
+from memory_pool.journal import RecordType, decode_row_set, encode_rows
 
 from .crash import CrashPlan
 from .digest import state_digest
@@ -139,16 +139,17 @@ def _plan(pool: MemoryPool, target: int | None):
     todo = []
     for ref in reversed(undo):  # newest first
         try:
-            name, ids, raw = decode_rows(j.read(ref))
+            parts = decode_row_set(j.read(ref))
         except (PoolCorruptError, ValueError) as exc:
             raise RecoveryError(f"undo record of step {ref.tag}: {exc}") from None
-        if name not in pool:
-            raise RecoveryError(f"undo record of step {ref.tag} names unknown table {name!r}")
-        t = pool.table(name)
-        if raw.shape[1] != t.config.row_bytes or (ids.numel() and (int(ids.max()) >= t.num_embeddings
-                                                                     or int(ids.min()) < 0)):
-            raise RecoveryError(f"undo record of step {ref.tag}: record for {name!r} does not fit the table")
-        todo.append((ref.tag, t, ids, raw))
+        for name, ids, raw in reversed(parts):  # (a row set's tables are disjoint: any order)
+            if name not in pool:
+                raise RecoveryError(f"undo record of step {ref.tag} names unknown table {name!r}")
+            t = pool.table(name)
+            if raw.shape[1] != t.config.row_bytes or (ids.numel() and (int(ids.max()) >= t.num_embeddings
+                                                                         or int(ids.min()) < 0)):
+                raise RecoveryError(f"undo record of step {ref.tag}: record for {name!r} does not fit the table")
+            todo.append((ref.tag, t, ids, raw))
     if target is not None and target < newest.tag and pool.journaled and not any(
             r.type == RecordType.UNDO for t in later for r in t.records):
         raise RecoveryError(f"cannot roll back committed steps after {target}: no undo records were kept")

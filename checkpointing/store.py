@@ -73,7 +73,11 @@ class DensePacker:
 
         def walk(x):
             if isinstance(x, torch.Tensor):
-                t = x.detach().to("cpu").contiguous()
+                t = x.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                if not t.is_contiguous():
+                    t = t.contiguous()
                 table.append([str(t.dtype).removeprefix("torch."), list(t.shape)])
                 tensors.append(t)
                 return {"__t__": len(tensors) - 1}

@@ -46,7 +46,7 @@ import torch
 
 from memory_pool import MemoryPool
 from memory_pool.durable import atomic_write, fsync_dir
-from memory_pool.journal import RecordType, encode_rows
+from memory_pool.journal import RecordType, encode_row_set, encode_rows
 
 from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan
@@ -143,8 +143,9 @@ class UndoLogCheckpointer(Checkpointer):
         if self.log_undo:
             # A copy of the rows' current values: the step's before-images. The only logging
             # work on the trainer's thread; the writer thread appends and syncs them.
-            cur.before = self.pool.gather_rows(cur.touched, buffers=self._bufs[("undo", cur.k % 2)])
-            cur.undo = self._writer.submit(self._write_undo, cur.k, [(t.name, r) for t, r in cur.touched], cur.before)
+            groups = self.pool.gather_row_groups(cur.touched, buffers=self._bufs[("undo", cur.k % 2)])
+            cur.before = _per_pair(cur.touched, groups)
+            cur.undo = self._writer.submit(self._write_undo, cur.k, _row_sets(cur.touched, groups))
         else:
             self.hit("mid-log")
         self.stats.critical_seconds += time.perf_counter() - t0
@@ -155,9 +156,9 @@ class UndoLogCheckpointer(Checkpointer):
             return None
         return {t.name: b for (t, _), b in zip(cur.touched, cur.before)}
 
-    def _write_undo(self, k: int, names: list, before: list) -> int:
-        recs = [(RecordType.UNDO, k, encode_rows(name, rows, b)) for (name, rows), b in zip(names, before)]
-        n = sum(rows.numel() * 8 + b.numel() * b.element_size() for (_, rows), b in zip(names, before))
+    def _write_undo(self, k: int, sets: list) -> int:
+        recs = [(RecordType.UNDO, k, encode_row_set(tables, rows)) for tables, rows in sets]
+        n = _set_bytes(sets)
         half = len(recs) // 2
         if self.crash is not None and self.crash.at(k, "mid-log"):
             for ref in self.journal.append_many(recs[:half]):
@@ -229,8 +230,8 @@ class UndoLogCheckpointer(Checkpointer):
         rows = None
         if self.log_rows and cur is not None and cur.touched:
             # After-images now, on this thread: step k+1 may change them as soon as we return.
-            after = self.pool.gather_rows(cur.touched, buffers=self._bufs[("rows", step % 2)])
-            rows = [(t.name, r, a) for (t, r), a in zip(cur.touched, after)]
+            rows = _row_sets(cur.touched, self.pool.gather_row_groups(cur.touched,
+                                                                      buffers=self._bufs[("rows", step % 2)]))
         dense = self._packer.pack(self.dense_state(step)) if due else None
         self._submit(step, rows, dense, wait=final or crash_here)
         self._release()
@@ -261,9 +262,9 @@ class UndoLogCheckpointer(Checkpointer):
         crash = self.crash if (self.crash is not None and self.crash.at(step, *COMMIT_PHASES)) else None
         j = self.journal
         if rows:
-            for ref in j.append_many([(RecordType.ROWS, step, encode_rows(name, ids, r)) for name, ids, r in rows]):
+            for ref in j.append_many([(RecordType.ROWS, step, encode_row_set(tables, r)) for tables, r in rows]):
                 self._note_start(ref)
-            self.stats.table_bytes_persisted += sum(ids.numel() * 8 + r.numel() * r.element_size() for _, ids, r in rows)
+            self.stats.table_bytes_persisted += _set_bytes(rows)
         if dense is None:
             return
         parts, n = dense
@@ -328,6 +329,25 @@ class UndoLogCheckpointer(Checkpointer):
             self.pool.wait_compaction()
         finally:
             self._writer.shutdown(wait=True)
+
+
+def _row_sets(touched: list, groups: list) -> list:
+    """One journal record per gathered group: ``[([(table name, ids)], rows)]``."""
+    return [([(touched[i][0].name, touched[i][1]) for i in idx], rows) for idx, rows in groups]
+
+
+def _per_pair(touched: list, groups: list) -> list:
+    """The groups' rows split back into one tensor per (table, ids) pair, in touched order."""
+    out: list = [None] * len(touched)
+    for idx, rows in groups:
+        for i, part in zip(idx, rows.split([touched[i][1].numel() for i in idx])):
+            out[i] = part
+    return out
+
+
+def _set_bytes(sets: list) -> int:
+    """Payload bytes that matter (ids and rows) of ``_row_sets`` output."""
+    return sum(rows.numel() * rows.element_size() + 8 * sum(ids.numel() for _, ids in tables) for tables, rows in sets)
 
 
 class NoCheckpointer(Checkpointer):

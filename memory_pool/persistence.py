@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .errors import PoolCorruptError
-from .journal import Journal, RecordType, decode_rows, encode_rows
+from .journal import Journal, RecordType, decode_row_set, encode_rows
 
 __all__ = ["persist_rows", "replay_plan", "latest", "absorb_rows", "Compactor"]
 
@@ -50,8 +50,8 @@ def replay_plan(journal: Journal, tables: set[str], where: Path) -> dict[str, li
     refs = [r for txn in journal.txns for r in txn.records if r.type == RecordType.ROWS]
     for ref, payload in journal.read_many(refs):
         # Views of the mapped segment (kept mapped while they live); latest() copies them.
-        name, ids, raw = decode_rows(payload)
-        plan.setdefault(name, []).append((ids, raw))
+        for name, ids, raw in decode_row_set(payload):
+            plan.setdefault(name, []).append((ids, raw))
     unknown = set(plan) - set(tables)
     if unknown:
         raise PoolCorruptError(f"{where}: the journal holds rows of unknown tables {sorted(unknown)}")
@@ -77,8 +77,8 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats) -> None:
     per row, sorted and coalesced; durable (fdatasync) before the records are dropped."""
     parts: dict[str, list] = {}
     for ref, payload in journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
-        name, ids, raw = decode_rows(payload)
-        parts.setdefault(name, []).append((ids.clone(), raw.clone()))
+        for name, ids, raw in decode_row_set(payload):
+            parts.setdefault(name, []).append((ids.clone(), raw.clone()))
     for name, p in parts.items():
         stats.bytes_written_back += tables[name]._region.write_back(*latest(p))
     for name in parts:

@@ -115,8 +115,10 @@ class MemoryPool:
             self.journaled = is_journaled(self.tier, self._real_pmem)
             # The pool's journal: rows persisted on a journaled tier, and the checkpointer's
             # records on every tier. Synced except where a sync means nothing (shm is RAM and
-            # survives only a trainer crash; a dram pool survives nothing).
-            self.journal = Journal(self.storage_dir / "journal", sync=self.tier not in ("shm", "dram"),
+            # survives only a trainer crash; a dram pool survives nothing); there, records are
+            # copied into a mapping of the segment instead of written (see "Mapped segments").
+            in_ram = self.tier in ("shm", "dram")
+            self.journal = Journal(self.storage_dir / "journal", sync=not in_ram, mapped=in_ram,
                                    read_only=read_only)
             if self.journaled and not read_only and all(r.tag < 0 for r in self.journal.tail) and (
                     self.journal.tail or self.journal.torn_bytes):
@@ -166,18 +168,28 @@ class MemoryPool:
         return self._compactor.run(run, wait=wait)
 
     def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
-        """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair. Tables of the
-        same row size in the arena are gathered with ONE ``index_select`` over the arena (the
-        undo log and the journal gather ~50 (table, rows) pairs a step: one parallel kernel
-        launch instead of 50). ``buffers``: a dict the caller keeps, holding reusable buffers (the
-        results are views of them, valid until the next call with the same dict)."""
-        self._check_open()
+        """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair (views of
+        :meth:`gather_row_groups`' buffers)."""
         out: list = [None] * len(pairs)
+        for idx, rows in self.gather_row_groups(pairs, buffers):
+            for i, part in zip(idx, rows.split([pairs[i][1].numel() for i in idx])):
+                out[i] = part
+        return out
+
+    def gather_row_groups(self, pairs, buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
+        """Copies of rows ``[(table, ids)]`` (trusted ids), grouped: ``[(indexes into pairs,
+        their rows concatenated in that order)]``. Tables of the same row size in the arena are
+        one group, gathered with ONE ``index_select`` over the arena (the undo log and the
+        journal gather ~50 (table, rows) pairs a step: one parallel kernel launch instead of 50,
+        and one journal record per group). ``buffers``: a dict the caller keeps, holding reusable
+        buffers (the results are views of them, valid until the next call with the same dict)."""
+        self._check_open()
+        out: list = []
         groups: dict = {}
         for i, (t, ids) in enumerate(pairs):
             off, rb = t.arena_offset, t.config.row_bytes
             if off is None or t.cached or off % rb:
-                out[i] = t.view().index_select(0, ids)
+                out.append(([i], t.view().index_select(0, ids)))
             else:
                 groups.setdefault((rb, t.config.dtype), []).append(i)
         for (rb, dt), idx in groups.items():
@@ -190,11 +202,9 @@ class MemoryPool:
                 buf = buffers.get((rb, dt))
                 if buf is None or buf.shape[0] < ids.numel():
                     buf = buffers[(rb, dt)] = torch.empty(max(ids.numel() * 5 // 4, 1024), flat.shape[1], dtype=dtype)
-                rows = torch.index_select(flat, 0, ids, out=buf[:ids.numel()])
+                out.append((idx, torch.index_select(flat, 0, ids, out=buf[:ids.numel()])))
             else:
-                rows = flat.index_select(0, ids)
-            for i, part in zip(idx, rows.split([pairs[i][1].numel() for i in idx])):
-                out[i] = part
+                out.append((idx, flat.index_select(0, ids)))
         return out
 
     @property

@@ -1,8 +1,18 @@
 """Payload formats of journal records, and their checksum.
 
-``ROWS`` and ``UNDO`` records share one layout (:func:`encode_rows` / :func:`decode_rows`)::
+``ROWS`` and ``UNDO`` records hold a *row set*: rows of one or more tables that share a row size,
+one record per row size per step (the checkpointer gathers every table of a row size with one
+kernel into one buffer, and writes it as one record: 2 records a step instead of ~50, one
+checksum pass each)::
 
-    u16 name length, u32 row bytes, u64 n rows, name (utf-8), n x i64 ids, n x row bytes
+    "RSET", u32 n tables, u32 row bytes, u32 ids offset, u64 n rows   (24 bytes)
+    n tables x (u16 name length, u64 rows of this table)
+    the names (utf-8, concatenated), zero padding up to the ids offset (8-aligned)
+    n rows x i64 ids      (table after table, in the order above)
+    n rows x row bytes    (the same order)
+
+Payloads written before row sets existed (one table, no magic: ``u16 name length, u32 row
+bytes, u64 n rows, name, ids, rows``) are still read (:func:`decode_row_set`).
 
 Every payload (and every record header) is protected by crc32c (:func:`crc32c`, hardware
 accelerated through google-crc32c).
@@ -12,7 +22,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import google_crc32c
 import numpy as np
@@ -22,9 +32,12 @@ import torch
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-__all__ = ["ROWS_HEAD", "encode_rows", "decode_rows", "crc32c"]
+__all__ = ["ROW_SET", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows", "crc32c"]
 
-ROWS_HEAD = struct.Struct("<HIQ")         # name length, row bytes, n rows
+ROW_SET = struct.Struct("<4sIIIQ")        # magic, n tables, row bytes, ids offset, n rows
+_TABLE = struct.Struct("<HQ")             # name length, rows
+_LEGACY = struct.Struct("<HIQ")           # name length, row bytes, n rows (one table, no magic)
+_MAGIC = b"RSET"
 
 
 def crc32c(parts: Iterable, crc: int = 0) -> int:
@@ -34,21 +47,79 @@ def crc32c(parts: Iterable, crc: int = 0) -> int:
     return crc
 
 
-def encode_rows(name: str, ids: torch.Tensor, rows: torch.Tensor) -> list:
-    """Payload parts of a ROWS/UNDO record: name, ids (int64), raw row bytes. No copy of ``rows``."""
-    nb = name.encode()
+def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tensor) -> list:
+    """Payload parts of a ROWS/UNDO record: ``tables`` is ``[(name, ids)]``, ``rows`` the rows of
+    all of them in that order (``[sum of ids, ...]``, one row size). No copy of ``rows``."""
+    names = [n.encode() for n, _ in tables]
+    counts = [int(ids.numel()) for _, ids in tables]
+    total = sum(counts)
+    if rows.shape[0] != total:
+        raise ValueError(f"row set of {total} ids got {rows.shape[0]} rows")
+    data = rows.contiguous().view(torch.uint8).reshape(total, -1) if total else None
+    row_bytes = data.shape[1] if total else (rows.shape[-1] if rows.dim() > 1 else 1) * rows.element_size()
+    fixed = ROW_SET.size + _TABLE.size * len(tables) + sum(len(n) for n in names)
+    ids_at = -(-fixed // 8) * 8
+    head = ROW_SET.pack(_MAGIC, len(tables), row_bytes, ids_at, total) + \
+        b"".join(_TABLE.pack(len(n), c) for n, c in zip(names, counts)) + b"".join(names) + bytes(ids_at - fixed)
+    if not total:
+        return [head]
+    ids = tables[0][1] if len(tables) == 1 else torch.cat([i for _, i in tables])
     ids = ids.to(torch.int64).contiguous()
-    data = rows.contiguous().view(torch.uint8).reshape(ids.numel(), -1) if ids.numel() else rows.new_empty(0, dtype=torch.uint8)
-    row_bytes = data.shape[1] if ids.numel() else rows.shape[-1] * rows.element_size()
-    return [ROWS_HEAD.pack(len(nb), row_bytes, ids.numel()) + nb,
-            memoryview(ids.numpy()).cast("B"), memoryview(data.reshape(-1).numpy()).cast("B")]
+    return [head, memoryview(ids.numpy()).cast("B"), memoryview(data.reshape(-1).numpy()).cast("B")]
+
+
+def encode_rows(name: str, ids: torch.Tensor, rows: torch.Tensor) -> list:
+    """Payload parts of a ROWS/UNDO record of one table."""
+    return encode_row_set([(name, ids)], rows)
+
+
+def decode_row_set(payload) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``[(table name, ids int64 [n], raw rows uint8 [n, row_bytes])]`` of a ROWS/UNDO payload
+    (views of ``payload``). Raises ``ValueError`` when the payload does not hold what it says."""
+    mv = memoryview(payload)
+    if bytes(mv[:4]) != _MAGIC:
+        return [_decode_legacy(mv)]
+    if len(mv) < ROW_SET.size:
+        raise ValueError(f"row record of {len(mv)} bytes is shorter than its header")
+    _, ntables, row_bytes, ids_at, total = ROW_SET.unpack_from(mv)
+    p = ROW_SET.size
+    entries = []
+    for _ in range(ntables):
+        if p + _TABLE.size > len(mv):
+            raise ValueError("row record is shorter than its table list")
+        entries.append(_TABLE.unpack_from(mv, p))
+        p += _TABLE.size
+    if sum(c for _, c in entries) != total or len(mv) != ids_at + total * (8 + row_bytes):
+        raise ValueError(f"row record of {len(mv)} bytes does not hold {total} rows of {row_bytes} bytes")
+    ids = torch.frombuffer(mv[ids_at:ids_at + 8 * total], dtype=torch.int64) if total else \
+        torch.empty(0, dtype=torch.int64)
+    start = ids_at + 8 * total
+    data = (torch.frombuffer(mv[start:], dtype=torch.uint8).view(total, row_bytes) if total
+            else torch.empty(0, row_bytes, dtype=torch.uint8))
+    out, at = [], 0
+    for nlen, count in entries:
+        if p + nlen > ids_at:
+            raise ValueError("row record's table names run past its ids")
+        name = bytes(mv[p:p + nlen]).decode()
+        p += nlen
+        out.append((name, ids[at:at + count], data[at:at + count]))
+        at += count
+    return out
 
 
 def decode_rows(payload) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """(table name, ids int64 [n], raw rows uint8 [n, row_bytes]) of a ROWS/UNDO payload."""
-    mv = memoryview(payload)
-    nlen, row_bytes, n = ROWS_HEAD.unpack_from(mv)
-    p = ROWS_HEAD.size
+    """(table name, ids, raw rows) of a ROWS/UNDO payload of exactly one table."""
+    got = decode_row_set(payload)
+    if len(got) != 1:
+        raise ValueError(f"row record holds {len(got)} tables, expected one")
+    return got[0]
+
+
+def _decode_legacy(mv: memoryview) -> tuple[str, torch.Tensor, torch.Tensor]:
+    if len(mv) < _LEGACY.size:
+        raise ValueError(f"row record of {len(mv)} bytes is shorter than its header")
+    nlen, row_bytes, n = _LEGACY.unpack_from(mv)
+    p = _LEGACY.size
     name = bytes(mv[p:p + nlen]).decode()
     p += nlen
     if len(mv) != p + 8 * n + row_bytes * n:

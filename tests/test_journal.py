@@ -307,6 +307,23 @@ def test_a_torn_tail_in_a_new_segment_is_truncated_away_with_the_segment(tmp_pat
     assert [t.tag for t in reopen(tmp_path).txns] == [0, 1, 2]
 
 
+def test_a_new_segment_killed_before_its_header_is_dropped_and_appends_go_to_the_previous_one(tmp_path):
+    """Killed between creating the file and writing its header: an empty file. It holds nothing;
+    appending into it would write records with no segment header before them."""
+    write_txns(tmp_path, 2).close()
+    segs = segments(tmp_path)
+    empty = tmp_path / f"seg-{reopen(tmp_path).next_seq:016x}.log"
+    empty.touch()
+    ro = Journal(tmp_path, read_only=True)
+    assert [t.tag for t in ro.txns] == [0, 1] and ro.torn_bytes == 0 and empty.exists()
+    w = Journal(tmp_path)
+    assert not empty.exists() and segments(tmp_path) == segs
+    write_txns(tmp_path, 1, j=w)
+    w.close()
+    assert [t.tag for t in reopen(tmp_path).txns] == [0, 1, 2]
+    assert all(p.read_bytes()[:8] == b"DCXJSEG1" for p in segments(tmp_path))
+
+
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_a_bad_record_in_the_tail_with_valid_records_after_it_sets_tail_damage(tmp_path, where):
     j = write_txns(tmp_path, 2)

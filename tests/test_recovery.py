@@ -375,7 +375,7 @@ def damage(pool: Path, kind: str) -> str:
     commits = [t for t in j.txns if is_commit(t)]
     newest, older = commits[-1], commits[-2]
     undo = [r for r in j.tail if r.type == RecordType.UNDO]
-    assert len(undo) >= 3 and newest.tag == K - 1, "the crash left no unfinished step with undo records"
+    assert len(undo) >= 2 and newest.tag == K - 1, "the crash left no unfinished step with undo records"
     if kind == "undo-payload-bit-flip":        # an undo record of the unfinished step, valid ones after it
         _flip_payload(undo[0])
         return f"record {undo[0].seq}"
@@ -451,7 +451,7 @@ def test_damage_only_in_the_unfinished_tail_is_a_torn_tail(cli, root, ref, tier,
     r = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:{phase}"])
     assert killed(r), r.stderr[-3000:]
     j = read_journal(pool)
-    assert j.last.tag == K - 1 and len(j.tail) >= 2 and {r.tag for r in j.tail} == {K}
+    assert j.last.tag == K - 1 and len(j.tail) >= (2 if how == "bit-flip" else 1) and {r.tag for r in j.tail} == {K}
     if how == "truncated":  # inside the last record of the unfinished transaction
         last = j.tail[-1]
         os.truncate(last.segment, last.payload_offset + last.length // 2)

@@ -92,16 +92,18 @@ def test_device_error_while_the_journal_is_written_stops_with_exit_9_and_the_poo
         tmp_path, reference, tier):
     pool = tmp_path / "pool"
     assert cli("train", "--pool", pool, *TINY, "--tier", tier, "--steps", 3).returncode == 0
-    # The 6th write to the journal fails with EIO (an injected device error).
+    # The 6th write to the journal fails with EIO (an injected device error). The journal's one
+    # write path: pwritev on a disk, a copy into the segment's mapping on shm (there the error
+    # stands for a failing mapping).
     prelude = """
 import errno, memory_pool.journal as J
-real, calls = os.pwritev, [0]
-def failing(fd, bufs, off):
+real, calls = J.Journal._write, [0]
+def failing(self, records):
     calls[0] += 1
     if calls[0] == 6:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
-    return real(fd, bufs, off)
-J.os.pwritev = failing
+    return real(self, records)
+J.Journal._write = failing
 """
     p = cli("train", "--pool", pool, "--steps", 12, "--threads", 1, "--no-progress", prelude=prelude)
     one_line_error(p, 9, "Input/output error", "hint:")
