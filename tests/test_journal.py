@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ import torch
 
 from helpers import flip
 from memory_pool import MemoryPool, NeedsRecoveryError, PoolCorruptError
-from memory_pool.journal import (REC, SEG, Journal, JournalCorruptError, RecordType, decode_rows,
-                                 encode_rows)
+from memory_pool.journal import (REC, SEG, Journal, JournalCorruptError, RecordType, decode_row_set,
+                                 decode_rows, encode_row_set, encode_rows)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -124,6 +125,35 @@ def test_row_payloads_round_trip_through_a_journal(tmp_path, dtype):
     assert name == "emb.t.adagrad" and got_ids.numel() == 0 and raw.shape == (0, 4)
     with pytest.raises(ValueError, match="does not hold"):
         decode_rows(bytes(back.read(txn.records[0]))[:-1])
+
+
+def test_a_row_set_holds_several_tables_of_one_row_size_in_one_record(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    tables = [("emb.a", torch.tensor([5, 1])), ("emb.b", torch.empty(0, dtype=torch.int64)),
+              ("emb.c", torch.tensor([0, 9, 3]))]
+    rows = torch.randn(5, 4, generator=g)   # the tables' rows, concatenated in that order
+    j = Journal(tmp_path)
+    j.append(RecordType.UNDO, 3, encode_row_set(tables, rows))
+    j.end(3, {})
+    j.close()
+    (txn,) = reopen(tmp_path).txns
+    got = decode_row_set(reopen(tmp_path).read(txn.records[0]))
+    assert [n for n, _, _ in got] == ["emb.a", "emb.b", "emb.c"]
+    assert [i.tolist() for _, i, _ in got] == [[5, 1], [], [0, 9, 3]]
+    assert torch.equal(torch.cat([r for _, _, r in got]).view(torch.float32), rows)
+    with pytest.raises(ValueError, match="holds 3 tables"):
+        decode_rows(reopen(tmp_path).read(txn.records[0]))
+    with pytest.raises(ValueError, match="got 4 rows"):
+        encode_row_set(tables, rows[:4])
+
+
+def test_row_records_of_the_one_table_layout_written_before_row_sets_are_still_read():
+    ids, rows = torch.tensor([7, 2], dtype=torch.int64), torch.arange(6, dtype=torch.float32).view(2, 3)
+    old = struct.pack("<HIQ", 5, 12, 2) + b"emb.t" + ids.numpy().tobytes() + rows.numpy().tobytes()
+    ((name, got_ids, raw),) = decode_row_set(old)
+    assert name == "emb.t" and got_ids.tolist() == [7, 2] and torch.equal(raw.view(torch.float32), rows)
+    with pytest.raises(ValueError, match="does not hold"):
+        decode_row_set(old[:-1])
 
 
 def test_segments_rotate_after_an_end_and_keep_sequence_numbers_continuous(tmp_path):
