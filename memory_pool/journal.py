@@ -88,6 +88,8 @@ SEG = struct.Struct("<8sIQI36xI")         # magic, version, first seq, flags, pa
 SEG_RECYCLED = 1                          # flags: the bytes after the valid records are stale
                                           # (a recycled segment, or a mapped one sized up front)
 KEEP_FREE = 16                            # reclaimed segments kept for reuse (16 x 64 MiB at most)
+MAP_CHUNK = 8 << 20                       # mapped segments: allocated and faulted in this much at a time
+MADV_POPULATE_WRITE = 23                  # Linux >= 5.14 (not in Python's mmap module before 3.13)
 REC_MAGIC = b"DCXR"
 REC = struct.Struct("<4sB3xQqQII")        # magic, type, seq, tag, length, payload crc, header crc (40)
 VERSION = 1
@@ -139,6 +141,16 @@ class TxnInfo:
 
 
 @dataclass
+class _Mapping:
+    """A kept shared mapping of a mapped segment; its first ``ready`` bytes are allocated and
+    faulted in."""
+
+    mm: mmap.mmap
+    view: np.ndarray      # the mapping's bytes (numpy: copies into it release the GIL)
+    ready: int = 0
+
+
+@dataclass
 class _Segment:
     path: Path
     first_seq: int
@@ -183,10 +195,10 @@ class Journal:
         self.dir = Path(directory)
         self.sync = sync
         self.mapped = mapped and not read_only
-        self._map: np.ndarray | None = None   # mapped: the segment being appended to (bytes)
+        self._map: _Mapping | None = None     # mapped: the segment being appended to
         # Mapped: mappings by inode, kept across a segment's lives (a recycled segment is the
-        # same file): mapping and faulting in 64 MiB costs ~13 ms, more than 10 steps of copying.
-        self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        # same file): faulting a page in costs more than copying 4 KiB into it.
+        self._maps: dict[int, _Mapping] = {}
         self.segment_bytes = segment_bytes
         self.read_only = read_only
         self._lock = threading.RLock()
@@ -465,12 +477,12 @@ class Journal:
         if fd is None:
             fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                # Mapped: sized up front, so flagged as a recycled one is (header first: a crash
-                # before the resize leaves a small valid segment). Allocated, not sparse: a store
-                # into a hole of a full tmpfs is a SIGBUS; fallocate fails with ENOSPC instead.
+                # Mapped: sized up front (allocated a chunk at a time as it fills, _prepare), so
+                # flagged as a recycled one is (header first: a crash before the resize leaves a
+                # small valid segment).
                 os.pwrite(fd, _seg_header(self.next_seq, SEG_RECYCLED if self.mapped else 0), 0)
                 if self.mapped:
-                    os.posix_fallocate(fd, 0, self.segment_bytes + (1 << 20))
+                    os.ftruncate(fd, self.segment_bytes + (1 << 20))
             except OSError as exc:
                 os.close(fd)
                 raise_if_full(exc, f"creating journal segment {seg.path}")
@@ -508,8 +520,9 @@ class Journal:
         last_off, last_parts = records[-1]
         end = last_off + sum(memoryview(p).nbytes for p in last_parts)
         m = self._map
-        if m is None or len(m) < end:
-            m = self._remap(end)
+        if m is None or m.ready < end:
+            m = self._prepare(end)
+        m = m.view
         for off, (head, *payload) in records:
             # The payload first, the header last: a crash mid-record leaves no valid header
             # vouching for a partial payload (program order is what survives a process crash).
@@ -521,32 +534,48 @@ class Journal:
                 at += v.size
             m[off:off + REC.size] = np.frombuffer(head, dtype=np.uint8)
 
-    def _remap(self, end: int) -> np.ndarray:
+    def _prepare(self, end: int) -> "_Mapping":
+        """The mapping of the segment being appended to, allocated and faulted in up to at least
+        ``end``: a chunk at a time (a small pool's journal does not pay for 64 MiB up front)."""
         self._map = None
         st = os.fstat(self._fd)
-        size = st.st_size
-        if size < end:
-            # Only a segment whose trailing bytes are flagged as not the log's may be longer
-            # than its records.
-            grown = max(end + (8 << 20), self.segment_bytes + (1 << 20)) if self._segs[-1].stale_after else end
-            try:
-                os.posix_fallocate(self._fd, size, grown - size)  # (not sparse: see _new_segment)
-            except OSError as exc:
-                raise_if_full(exc, f"growing journal segment {self._segs[-1].path}")
-            size = grown
+        seg = self._segs[-1]
         with self._lock:
             kept = self._maps.pop(st.st_ino, None)
-            if kept is not None and kept[1].size < end:
-                kept = None  # (the last reference to a mapping gone: it is unmapped)
-            if kept is None:
-                # Faulted in at once (one call, not one fault per page of the first append).
-                m = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-                kept = (m, np.frombuffer(m, dtype=np.uint8))
+        if kept is not None and kept.view.size < end:
+            kept = None  # (the last reference to a mapping gone: it is unmapped)
+        if kept is None:
+            size = st.st_size
+            if size < end:
+                # Only a segment whose trailing bytes are flagged as not the log's may be longer
+                # than its records.
+                size = max(end + MAP_CHUNK, self.segment_bytes + (1 << 20)) if seg.stale_after else end
+                try:
+                    os.ftruncate(self._fd, size)
+                except OSError as exc:
+                    raise_if_full(exc, f"growing journal segment {seg.path}")
+            m = mmap.mmap(self._fd, size)
+            kept = _Mapping(m, np.frombuffer(m, dtype=np.uint8))
+        if kept.ready < end:
+            lo = kept.ready & ~(mmap.PAGESIZE - 1)
+            hi = min(kept.view.size, max(end, kept.ready + MAP_CHUNK))
+            try:
+                # Allocated, not a hole: a store into a hole of a full tmpfs is a SIGBUS; this
+                # fails with ENOSPC instead.
+                os.posix_fallocate(self._fd, lo, hi - lo)
+            except OSError as exc:
+                raise_if_full(exc, f"growing journal segment {seg.path}")
+            try:
+                kept.mm.madvise(MADV_POPULATE_WRITE, lo, hi - lo)  # faulted in with one call
+            except (OSError, ValueError):
+                pass  # an older kernel: pages fault in on first touch instead
+            kept.ready = hi
+        with self._lock:
             self._maps[st.st_ino] = kept   # (most recently used last)
             while len(self._maps) > KEEP_FREE + 4:
                 del self._maps[next(iter(self._maps))]
-        self._map = kept[1]
-        return kept[1]
+        self._map = kept
+        return kept
 
     def _drop_mapping(self, path: Path | None = None) -> None:
         """Forget the kept mapping of ``path`` (all of them if None): before the file is
