@@ -18,6 +18,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -584,3 +585,30 @@ def test_a_long_recovery_interval_rolls_back_every_step_since_the_last_recovery_
                                       "--steps", 30]).stdout)
     b = torture.parse_digest(cli.run(["train", "--pool", ref, *flags("shm"), "--steps", 30]).stdout)
     assert a == b and a is not None
+
+
+@pytest.mark.parametrize("tier", ["shm", "power-sim"])
+def test_an_inline_checkpointer_makes_each_step_durable_before_commit_returns(tmp_pool_dir, tier):
+    """``inline=True`` (what ``tools/bench_durability.py --inline`` measures) runs the writer's
+    work on the caller's thread: the commit is in the journal when ``commit`` returns, with no
+    writer thread, and the pool recovers to it as to a threaded one's."""
+    pool, t, s = _pool_with_table(tmp_pool_dir, tier)
+    dense = Dense()
+    writers = {th for th in threading.enumerate() if th.name.startswith("journal-writer")}
+    ck = UndoLogCheckpointer(pool, dense, inline=True)
+    ck.checkpoint_now(0)
+    rows = torch.tensor([1, 9, 30])
+    for k in (1, 2):
+        with ck.step(k):
+            ck.log_before_image([(t, rows), (s, rows)])
+            ck.persist()
+            ck.update(lambda: t.write(rows, t.read(rows) + 1.0))
+            dense.w += 1
+        assert pool.journal.last.tag == k and is_commit(pool.journal.last)
+    assert {th for th in threading.enumerate() if th.name.startswith("journal-writer")} == writers
+    expected = t.view().clone()
+    ck.close()
+    pool.close()
+    assert recover(tmp_pool_dir).committed_step == 2
+    with MemoryPool.open(tmp_pool_dir) as again:
+        assert torch.equal(again.table("t").view(), expected)

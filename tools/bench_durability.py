@@ -8,8 +8,9 @@ Two parts, in one run:
    fresh pages, and ``fdatasync`` of that much sequential data.
 2. **The checkpointer alone**, per tier: the undo log's protocol for real steps of the preset
    (``begin_step``, ``log_before_image`` of the step's rows, ``persist``, ``commit`` with the
-   dense state) with no compute around it, single-threaded, over enough steps that the journal
-   is compacted and its segments recycled (the steady state). CPU ms per step, and that as a
+   dense state) with no compute around it (torch on one thread; the journal writer on its own
+   thread, or with ``--inline`` on the same one), over enough steps that the journal is
+   compacted and its segments recycled (the steady state). CPU ms per step, and that as a
    multiple of the memcpy + crc32c + cached-``pwrite`` floor for the same bytes.
 
 Training throughput with and without checkpointing is ``tools/bench_train.py``; this tool
@@ -17,6 +18,7 @@ says how far the checkpointer itself is from what the hardware needs.
 
     python tools/bench_durability.py                       # small, shm,pmem,power-sim
     python tools/bench_durability.py --tiers pmem --steps 400
+    python tools/bench_durability.py --tiers shm --inline --warmup 60 --steps 150   # one thread
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch  # noqa: E402
 
 from dlrm_cxl.model import PRESETS  # noqa: E402
 from dlrm_cxl.options import TrainOptions  # noqa: E402
+from checkpointing import UndoLogCheckpointer  # noqa: E402
 from dlrm_cxl.trainer import Trainer  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 
@@ -83,13 +86,19 @@ def machine_limits(nbytes: int, disk_dir: Path) -> dict[str, float]:
     return {k: v * 1e3 for k, v in out.items()}
 
 
-def checkpointer_cost(preset: str, tier: str, steps: int, workdir: Path, warmup: int | None = None) -> dict:
+def checkpointer_cost(preset: str, tier: str, steps: int, workdir: Path, warmup: int | None = None,
+                      inline: bool = False) -> dict:
     """The undo log alone on ``tier`` for ``steps`` steps after a warm-up that fills and
-    recycles the journal."""
+    recycles the journal. ``inline``: the writer's work runs on this thread (no second thread
+    competing for the cores: the checkpointer's own CPU, the steadiest number on a noisy VM)."""
     pool = workdir / f"pool-{tier}"
     o = TrainOptions(pool=str(pool), tier=tier, steps=10**9, checkpoint="undo", progress=False, threads=1)
     tr = Trainer(o, PRESETS[preset], log=lambda s: None)
     try:
+        if inline:
+            dense_state = tr.ckpt.dense_state
+            tr.ckpt.close()
+            tr.ckpt = UndoLogCheckpointer(tr.pool, dense_state, inline=True)
         src = tr.source.iter_batches(None)
         plans = [tr.model.plan(next(src)[0].sparse, fused=True, rows=True) for _ in range(8)]
         ck, j = tr.ckpt, tr.pool.journal
@@ -136,19 +145,21 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps first (default: until a journal segment has been reused)")
     ap.add_argument("--workdir", type=Path, default=None, help="where pmem/power-sim pools go (a real disk)")
+    ap.add_argument("--inline", action="store_true",
+                    help="run the journal writer's work on the stepping thread (one thread in all)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     work = a.workdir or Path(tempfile.mkdtemp(prefix="dlrm-bench-durability-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        rows = [checkpointer_cost(a.preset, t, a.steps, work, a.warmup) for t in a.tiers.split(",")]
+        rows = [checkpointer_cost(a.preset, t, a.steps, work, a.warmup, a.inline) for t in a.tiers.split(",")]
         per_step = max(r["durable_bytes"] for r in rows)
         lim = machine_limits(int(per_step), work)
     finally:
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     mb = per_step / 1e6
-    print(f"# preset {a.preset}: {mb:.2f} MB made durable per step; single thread; load avg "
+    print(f"# preset {a.preset}: {mb:.2f} MB made durable per step; {'writer inline (one thread)' if a.inline else 'writer on its own thread'}; load avg "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"machine limits for {mb:.2f} MB (ms):  " + "  ".join(f"{k} {v:.2f}" for k, v in lim.items()))
     floor = lim["memcpy"] + lim["crc32c"] + lim["pwrite_cached_tmpfs"]
