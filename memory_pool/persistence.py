@@ -78,7 +78,9 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats) -> None:
     parts: dict[str, list] = {}
     for ref, payload in journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
         for name, ids, raw in decode_row_set(payload):
-            parts.setdefault(name, []).append((ids.clone(), raw.clone()))
+            # Views of the mapped segments, as in replay_plan (the mappings live while they do,
+            # and the segments are reused only after this returns): latest() copies them once.
+            parts.setdefault(name, []).append((ids, raw))
     for name, p in parts.items():
         stats.bytes_written_back += tables[name]._region.write_back(*latest(p))
     for name in parts:
