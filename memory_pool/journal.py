@@ -49,13 +49,15 @@ each step's transaction with its commit document. ``ROWS`` and ``UNDO`` share on
 (a row set, :mod:`memory_pool.records`).
 
 Mapped segments (``mapped=True``: a journal in RAM, on tmpfs, the shm tier). ``pwrite`` into
-tmpfs costs a kernel copy and a page-cache lookup per page (1.1 ms for 4 MB here, 4x a memcpy);
-a mapped journal copies records into a shared mapping of the segment instead. Its segments are
-sized up front (sparse; pages come from the first touch or a previous life) and carry the
-``RECYCLED`` flag: the bytes after the valid records are not the log's (zeros or a previous
-life), exactly as in a recycled segment. A process crash keeps every store made before it, in
-program order: the header is copied after the payload, so a crash mid-record leaves a torn or
-stale tail, as a short ``pwrite`` would.
+tmpfs costs a kernel copy and a page-cache lookup per page (1.8 ms for 8 MB over a 64 MiB segment
+here, against 0.65 ms for a copy into a mapping already faulted in); a mapped journal copies
+records into a shared mapping of the segment instead. Its segments are sized up front and carry
+the ``RECYCLED`` flag: the bytes after the valid records are not the log's (zeros or a previous
+life), exactly as in a recycled segment. Pages are allocated (``posix_fallocate``: a full tmpfs
+is ``PoolFullError``, never a SIGBUS in the middle of a copy) and faulted in 8 MiB ahead of the
+appends, and a mapping is kept for the file's next lives. A process crash keeps every store made
+before it, in program order: the header is copied after the payload, so a crash mid-record
+leaves a torn or stale tail, as a short ``pwrite`` would.
 
 Thread safety: one writer thread appends and ends transactions; :meth:`Journal.reclaim` (the
 compactor) may run on another thread; both take the journal's lock around segment-list changes.
