@@ -57,8 +57,8 @@ def is_commit(txn) -> bool:
 
 class DensePacker:
     """Packs a dense state (nested dicts/lists/tuples of tensors, numpy arrays and JSON values)
-    into one contiguous byte buffer. Two buffers alternate (a double buffer): the writer thread
-    reads one while the trainer fills the other, and the pipeline never has more than one
+    into one contiguous byte buffer. Two buffers alternate (a double buffer): a packed state may
+    still be read while the next one is packed, and the pipeline never has more than one
     transaction in flight, so a buffer is free again when it is reused."""
 
     def __init__(self):

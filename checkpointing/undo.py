@@ -21,9 +21,11 @@ What is written depends on where a store lands (``MemoryPool.journaled``):
   (``ROWS``) instead. (With several ranks, every tier also writes ``UNDO``: a rank may have to roll
   back past its own newest commit, to the step every rank committed.)
 
-``commit(k)`` captures the dense state into a double buffer (raw bytes, no pickle) and hands the
-transaction ``[ROWS] DENSE END(k)`` to the writer thread, which appends it and makes it durable
-with one group commit (records synced, then the ``END``). Pipelining, not skipping: step ``k+1``
+``commit(k)`` hands the transaction ``[ROWS] DENSE END(k)`` to the writer thread with the dense
+state's live tensors; the writer packs them (raw bytes, no pickle), appends the transaction and
+makes it durable with one group commit (records synced, then the ``END``). The next ``update``
+(the dense optimizer step) waits until they are packed, so the trainer's thread never copies
+the dense state. Pipelining, not skipping: step ``k+1``
 computes while ``k`` becomes durable; ``commit(k+1)`` waits only if ``k`` is still not durable
 then (``commit_wait_seconds``). So a crash loses at most the step in flight and the one before
 it. ``--dense-every N > 1`` makes every N-th step a recovery point instead (fewer dense bytes;
@@ -54,7 +56,9 @@ from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
 
 __all__ = ["UndoLogCheckpointer", "NoCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step"]
 
-DenseStateFn = Callable[[int], dict]   # step -> dense state (tensors may be live: packed at once)
+# step -> dense state. Its tensors may be live: the writer thread packs them while the next step
+# computes, so they may change only inside ``update(fn)`` (which first waits for that).
+DenseStateFn = Callable[[int], dict]
 
 
 def default_compact_bytes(pool: MemoryPool) -> int:
@@ -100,6 +104,8 @@ class UndoLogCheckpointer(Checkpointer):
         self.stats = CheckpointStats()
         self.compact_bytes = default_compact_bytes(pool)
         self._packer = DensePacker()
+        self._dense_packed = threading.Event()   # the newest recovery point's dense state is packed
+        self._dense_packed.set()
         self._writer = _Inline() if inline else ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
         self._inflight: Future | None = None    # the newest recovery point handed over
         self._last_job: Future | None = None    # the newest transaction part handed over
@@ -192,6 +198,7 @@ class UndoLogCheckpointer(Checkpointer):
         cur = self._cur
         if cur.undo is not None and not cur.undo.done():
             raise RuntimeError("update() before persist(): the write-ahead rule would be broken")
+        self._wait_dense_packed()
         cur.updated = True
         fn()
         self.hit("after-update")
@@ -234,7 +241,9 @@ class UndoLogCheckpointer(Checkpointer):
             # After-images now, on this thread: step k+1 may change them as soon as we return.
             rows = _row_sets(cur.touched, self.pool.gather_row_groups(cur.touched,
                                                                       buffers=self._bufs[("rows", step % 2)]))
-        dense = self._packer.pack(self.dense_state(step)) if due else None
+        # The dense state's live tensors: the writer thread packs them (off this thread's
+        # critical path) before the next update() may change them (_wait_dense_packed).
+        dense = self.dense_state(step) if due else None
         self._submit(step, rows, dense, wait=final or crash_here)
         self._release()
         self.stats.max_commit_lag = max(self.stats.max_commit_lag, step - max(self._durable_commit, 0))
@@ -253,6 +262,7 @@ class UndoLogCheckpointer(Checkpointer):
             self.stats.commit_wait_seconds += time.perf_counter() - t0
         if dense is not None:
             self._last_submitted = step
+            self._dense_packed.clear()
         fut = self._writer.submit(self._write_txn, step, rows, dense)
         self._last_job = fut
         if dense is not None:
@@ -269,7 +279,10 @@ class UndoLogCheckpointer(Checkpointer):
             self.stats.table_bytes_persisted += _set_bytes(rows)
         if dense is None:
             return
-        parts, n = dense
+        try:
+            parts, n = self._packer.pack(dense)  # copies the live tensors: update() may go on
+        finally:
+            self._dense_packed.set()
         self._note_start(j.append(RecordType.DENSE, step, parts))
         if crash:
             crash.hit(step, "mid-dense")
@@ -310,8 +323,23 @@ class UndoLogCheckpointer(Checkpointer):
 
     def checkpoint_now(self, step: int) -> None:
         """Make ``step`` a recovery point and wait for it (start of training, tests, abort)."""
-        self._submit(step, None, self._packer.pack(self.dense_state(step)), wait=True)
+        self._submit(step, None, self.dense_state(step), wait=True)
         self._release()
+
+    def _wait_dense_packed(self) -> None:
+        """The newest recovery point's dense state is read in place by the writer thread: wait
+        until it has been packed before anything changes it. On a direct tier it always has
+        (``persist`` waited for this step's undo records, queued behind it); on a journaled tier
+        this is a point where the trainer may wait for the writer (counted as commit wait)."""
+        job = self._inflight
+        if job is None or self._dense_packed.is_set():
+            return
+        t0 = time.perf_counter()
+        while not self._dense_packed.wait(0.05) and not job.done():
+            pass  # (a job that failed before packing never sets the event)
+        self.stats.commit_wait_seconds += time.perf_counter() - t0
+        if job.done() and job.exception() is not None:
+            raise job.exception()
 
     def drain(self) -> None:
         """Wait for the background work: the transaction in flight and a running compaction."""

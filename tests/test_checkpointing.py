@@ -19,6 +19,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -612,3 +613,37 @@ def test_an_inline_checkpointer_makes_each_step_durable_before_commit_returns(tm
     assert recover(tmp_pool_dir).committed_step == 2
     with MemoryPool.open(tmp_pool_dir) as again:
         assert torch.equal(again.table("t").view(), expected)
+
+
+@pytest.mark.parametrize("tier", ["shm", "power-sim"])
+def test_the_dense_state_packed_off_thread_is_the_committed_one_even_when_update_follows_at_once(
+        tmp_pool_dir, tier):
+    """``commit(k)`` hands the dense state's *live* tensors to the writer thread, which packs
+    them while step k+1 computes; ``update`` of step k+1 must wait until they are packed. A slow
+    packer makes the race certain: without the wait, step k's recovery point would hold step
+    k+1's weights."""
+    pool, t, s = _pool_with_table(tmp_pool_dir, tier)
+    w = torch.zeros(4)
+    live = lambda k: {"step": k, "model": {"w": w}, "optimizer": {"state": {}, "param_groups": []},  # noqa: E731
+                      "data_position": None, "rng": {"torch": torch.get_rng_state()}}
+    ck = UndoLogCheckpointer(pool, live)
+    ck.checkpoint_now(0)
+    pack = ck._packer.pack
+
+    def slow_pack(state):
+        time.sleep(0.3)
+        return pack(state)
+
+    ck._packer.pack = slow_pack
+    rows = torch.tensor([3, 4])
+    for k in (1, 2):
+        with ck.step(k):
+            ck.log_before_image([(t, rows)])
+            ck.persist()
+            ck.update(lambda: w.add_(1.0))  # the dense optimizer step: w is k after step k
+    ck.close()
+    pool.close()
+    with MemoryPool.open(tmp_pool_dir, read_only=True) as p:
+        for k in (1, 2):
+            step, state = committed_state(p, k)
+            assert step == k and torch.equal(state["model"]["w"], torch.full((4,), float(k))), (k, state["model"]["w"])
