@@ -136,7 +136,7 @@ def _plan(pool: MemoryPool, target: int | None):
     refs = [r for t in later for r in t.records] + list(j.tail)
     undo = [r for r in refs if r.type == RecordType.UNDO]
     steps = sorted({r.tag for r in refs if r.tag > txn.tag} | {t.tag for t in later if is_commit(t)}, reverse=True)
-    todo = []
+    undo_plan = []
     for ref in reversed(undo):  # newest first
         try:
             parts = decode_row_set(j.read(ref))
@@ -149,11 +149,11 @@ def _plan(pool: MemoryPool, target: int | None):
             if raw.shape[1] != t.config.row_bytes or (ids.numel() and (int(ids.max()) >= t.num_embeddings
                                                                          or int(ids.min()) < 0)):
                 raise RecoveryError(f"undo record of step {ref.tag}: record for {name!r} does not fit the table")
-            todo.append((ref.tag, t, ids, raw))
+            undo_plan.append((ref.tag, t, ids, raw))
     if target is not None and target < newest.tag and pool.journaled and not any(
             r.type == RecordType.UNDO for t in later for r in t.records):
         raise RecoveryError(f"cannot roll back committed steps after {target}: no undo records were kept")
-    return txn, dense, todo, steps
+    return txn, dense, undo_plan, steps
 
 
 def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
@@ -164,19 +164,19 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
     :data:`checkpointing.crash.RECOVERY_PHASES`; for tests)."""
     crash = CrashPlan.recovery(crash_phase) if crash_phase else None
     t0 = time.perf_counter()
-    txn, dense, todo, steps = _plan(pool, target_step)
+    txn, dense, undo_plan, steps = _plan(pool, target_step)
     rep = RecoveryReport(str(pool.path), txn.tag if txn else None, bool(steps or pool.journal.tail), dry_run)
     if txn is None:
         rep.actions.append("no commit record: the pool holds no training state; nothing to do")
     rep.rolled_back_steps = steps
-    rep.rows_restored = sum(ids.numel() for _, _, ids, _ in todo)
+    rep.rows_restored = sum(ids.numel() for _, _, ids, _ in undo_plan)
     for k in steps:
-        n = sum(ids.numel() for tag, _, ids, _ in todo if tag == k)
+        n = sum(ids.numel() for tag, _, ids, _ in undo_plan if tag == k)
         rep.actions.append(f"{'would roll' if dry_run else 'rolled'} back step {k}: {n} rows restored"
                            + ("" if n or not pool.journaled else " (its rows never reached durable media)"))
     if not dry_run:
         restored: dict[str, tuple] = {}
-        for i, (tag, t, ids, raw) in enumerate(todo):
+        for i, (tag, t, ids, raw) in enumerate(undo_plan):
             t.restore_raw(ids, raw)
             restored.setdefault(t.name, (t, []))[1].append(ids)
             if crash is not None and i == 0:
@@ -208,7 +208,7 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
             rep.actions.append(f"removed unfinished {p.name}")
     rep.seconds = time.perf_counter() - t0  # recovery itself; the digest below reads every row
     if digest and txn is not None:
-        rep.state_digest = state_digest(pool, dense) if not dry_run or not todo else None
+        rep.state_digest = state_digest(pool, dense) if not dry_run or not undo_plan else None
     return rep
 
 

@@ -152,7 +152,7 @@ class UndoLogCheckpointer(Checkpointer):
             # A copy of the rows' current values: the step's before-images. The only logging
             # work on the trainer's thread; the writer thread appends and syncs them.
             groups = self.pool.gather_row_groups(cur.touched, buffers=self._bufs[("undo", cur.k % 2)])
-            cur.before = _per_pair(cur.touched, groups)
+            cur.before = self.pool.rows_per_pair(cur.touched, groups)
             cur.undo = self._writer.submit(self._write_undo, cur.k, _row_sets(cur.touched, groups))
         else:
             self.hit("mid-log")
@@ -379,15 +379,6 @@ class _Inline:
 def _row_sets(touched: list, groups: list) -> list:
     """One journal record per gathered group: ``[([(table name, ids)], rows)]``."""
     return [([(touched[i][0].name, touched[i][1]) for i in idx], rows) for idx, rows in groups]
-
-
-def _per_pair(touched: list, groups: list) -> list:
-    """The groups' rows split back into one tensor per (table, ids) pair, in touched order."""
-    out: list = [None] * len(touched)
-    for idx, rows in groups:
-        for i, part in zip(idx, rows.split([touched[i][1].numel() for i in idx])):
-            out[i] = part
-    return out
 
 
 def _set_bytes(sets: list) -> int:

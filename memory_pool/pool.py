@@ -170,8 +170,13 @@ class MemoryPool:
     def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
         """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair (views of
         :meth:`gather_row_groups`' buffers)."""
+        return self.rows_per_pair(pairs, self.gather_row_groups(pairs, buffers))
+
+    @staticmethod
+    def rows_per_pair(pairs, groups) -> list[torch.Tensor]:
+        """:meth:`gather_row_groups`' groups split back into one tensor (a view) per pair."""
         out: list = [None] * len(pairs)
-        for idx, rows in self.gather_row_groups(pairs, buffers):
+        for idx, rows in groups:
             for i, part in zip(idx, rows.split([pairs[i][1].numel() for i in idx])):
                 out[i] = part
         return out

@@ -89,13 +89,9 @@ def decode_row_set(payload) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
             raise ValueError("row record is shorter than its table list")
         entries.append(_TABLE.unpack_from(mv, p))
         p += _TABLE.size
-    if sum(c for _, c in entries) != total or len(mv) != ids_at + total * (8 + row_bytes):
-        raise ValueError(f"row record of {len(mv)} bytes does not hold {total} rows of {row_bytes} bytes")
-    ids = torch.frombuffer(mv[ids_at:ids_at + 8 * total], dtype=torch.int64) if total else \
-        torch.empty(0, dtype=torch.int64)
-    start = ids_at + 8 * total
-    data = (torch.frombuffer(mv[start:], dtype=torch.uint8).view(total, row_bytes) if total
-            else torch.empty(0, row_bytes, dtype=torch.uint8))
+    if sum(c for _, c in entries) != total:
+        raise ValueError(f"row record's tables hold {sum(c for _, c in entries)} rows, its header says {total}")
+    ids, data = _ids_and_rows(mv, ids_at, total, row_bytes)
     out, at = [], 0
     for nlen, count in entries:
         if p + nlen > ids_at:
@@ -119,13 +115,15 @@ def _decode_legacy(mv: memoryview) -> tuple[str, torch.Tensor, torch.Tensor]:
     if len(mv) < _LEGACY.size:
         raise ValueError(f"row record of {len(mv)} bytes is shorter than its header")
     nlen, row_bytes, n = _LEGACY.unpack_from(mv)
-    p = _LEGACY.size
-    name = bytes(mv[p:p + nlen]).decode()
-    p += nlen
-    if len(mv) != p + 8 * n + row_bytes * n:
+    name = bytes(mv[_LEGACY.size:_LEGACY.size + nlen]).decode()
+    return (name, *_ids_and_rows(mv, _LEGACY.size + nlen, n, row_bytes))
+
+
+def _ids_and_rows(mv: memoryview, at: int, n: int, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` ids (i64) at byte ``at`` and the ``n`` rows after them, which end the payload."""
+    if len(mv) != at + n * (8 + row_bytes):
         raise ValueError(f"row record of {len(mv)} bytes does not hold {n} rows of {row_bytes} bytes")
-    ids = torch.frombuffer(mv[p:p + 8 * n], dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
-    p += 8 * n
-    data = (torch.frombuffer(mv[p:], dtype=torch.uint8).view(n, row_bytes) if n
-            else torch.empty(0, row_bytes, dtype=torch.uint8))
-    return name, ids, data
+    if not n:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, row_bytes, dtype=torch.uint8)
+    ids = torch.frombuffer(mv[at:at + 8 * n], dtype=torch.int64)
+    return ids, torch.frombuffer(mv[at + 8 * n:], dtype=torch.uint8).view(n, row_bytes)
