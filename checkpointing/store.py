@@ -17,7 +17,8 @@ Dense state record (``DENSE``): ``[u32 length of the JSON document][document][te
 The document is the state's tree (dicts, lists, tuples, numbers, strings) with every tensor or
 numpy array replaced by ``{"__t__": i}`` and a table ``tensors`` of ``[dtype, shape, byte
 offset]``: no pickle, no ``torch.save`` on the per-step path; the bytes are copied straight from
-the parameters into a pre-allocated buffer (:class:`DensePacker`).
+the parameters to where the journal writes the record (:class:`DensePacker`, a ``Fill`` part):
+into the segment's mapping on shm, into the aligned buffer of a direct write on a disk.
 
 ``<storage_dir>/ckpt/RUNNING-WITHOUT-UNDO``: written while ``--checkpoint none`` trains (rows
 change in place with no undo record: a crash then is not recoverable on direct tiers).
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from memory_pool.errors import PoolCorruptError
+from memory_pool.records import Fill
 
 __all__ = ["ckpt_dir", "RUNNING_MARKER", "DensePacker", "unpack_dense", "commit_doc", "is_commit"]
 
@@ -57,17 +59,13 @@ def is_commit(txn) -> bool:
 
 class DensePacker:
     """Packs a dense state (nested dicts/lists/tuples of tensors, numpy arrays and JSON values)
-    into one contiguous byte buffer. Two buffers alternate (a double buffer): a packed state may
-    still be read while the next one is packed, and the pipeline never has more than one
-    transaction in flight, so a buffer is free again when it is reused."""
-
-    def __init__(self):
-        self._bufs: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-        self._turn = 0
+    as the payload of a DENSE record: its document, and its tensors' bytes as one ``Fill`` part
+    (one copy, straight from the tensors to where the record is written)."""
 
     def pack(self, state: dict) -> tuple[list, int]:
-        """Payload parts of a DENSE record for ``state`` and their total size. The tensor bytes
-        are copied now (the state may change right after)."""
+        """Payload parts of a DENSE record for ``state`` and their total size. The tensors'
+        bytes are read when the record is written (the ``Fill`` part): they must not change
+        until then. Their shapes and the document's values are taken now."""
         tensors: list[torch.Tensor] = []
         table: list = []
 
@@ -99,20 +97,19 @@ class DensePacker:
         doc = {"tree": walk(state), "tensors": table}
         sizes = [t.numel() * t.element_size() for t in tensors]
         total = sum(sizes)
-        buf = self._bufs[self._turn]
-        if buf.numel() < total:
-            buf = self._bufs[self._turn] = torch.empty(total, dtype=torch.uint8)
-        self._turn ^= 1
         off = 0
         for n, row in zip(sizes, table):
             row.append(off)
             off += n
-        if total:
+        flat = [t.reshape(-1).view(torch.uint8) for t, n in zip(tensors, sizes) if n]
+
+        def fill(dest: np.ndarray) -> None:
             # One kernel for every tensor (a copy per tensor would start ~40 parallel regions).
-            torch.cat([t.reshape(-1).view(torch.uint8) for t, n in zip(tensors, sizes) if n], out=buf[:total])
+            if flat:
+                torch.cat(flat, out=torch.from_numpy(dest))
+
         head = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
-        parts = [_LEN.pack(len(head)) + head, memoryview(buf[:total].numpy())]
-        return parts, _LEN.size + len(head) + total
+        return [_LEN.pack(len(head)) + head, Fill(total, fill)], _LEN.size + len(head) + total
 
 
 def unpack_dense(payload) -> dict:

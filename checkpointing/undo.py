@@ -273,17 +273,23 @@ class UndoLogCheckpointer(Checkpointer):
     def _write_txn(self, step: int, rows, dense) -> None:
         crash = self.crash if (self.crash is not None and self.crash.at(step, *COMMIT_PHASES)) else None
         j = self.journal
+        recs = [(RecordType.ROWS, step, encode_row_set(tables, r)) for tables, r in rows or ()]
+        try:
+            if dense is not None:
+                parts, n = self._packer.pack(dense)
+                recs.append((RecordType.DENSE, step, parts))
+            # One write for the rows and the dense state; the live tensors are copied into the
+            # DENSE record as it is written: from here on update() may change them.
+            refs = j.append_many(recs) if recs else []
+        finally:
+            if dense is not None:
+                self._dense_packed.set()
+        for ref in refs:
+            self._note_start(ref)
         if rows:
-            for ref in j.append_many([(RecordType.ROWS, step, encode_row_set(tables, r)) for tables, r in rows]):
-                self._note_start(ref)
             self.stats.table_bytes_persisted += _set_bytes(rows)
         if dense is None:
             return
-        try:
-            parts, n = self._packer.pack(dense)  # copies the live tensors: update() may go on
-        finally:
-            self._dense_packed.set()
-        self._note_start(j.append(RecordType.DENSE, step, parts))
         if crash:
             crash.hit(step, "mid-dense")
         j.flush()

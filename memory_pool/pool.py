@@ -119,7 +119,7 @@ class MemoryPool:
             # copied into a mapping of the segment instead of written (see "Mapped segments").
             in_ram = self.tier in ("shm", "dram")
             self.journal = Journal(self.storage_dir / "journal", sync=not in_ram, mapped=in_ram,
-                                   read_only=read_only)
+                                   direct=not in_ram, read_only=read_only)
             if self.journaled and not read_only and all(r.tag < 0 for r in self.journal.tail) and (
                     self.journal.tail or self.journal.torn_bytes):
                 # An unfinished transaction of persisted rows (or a torn record): never vouched

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import google_crc32c
 import numpy as np
@@ -32,12 +32,43 @@ import torch
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-__all__ = ["ROW_SET", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows", "crc32c"]
+__all__ = ["ROW_SET", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows", "crc32c",
+           "part_bytes", "materialize"]
 
 ROW_SET = struct.Struct("<4sIIIQ")        # magic, n tables, row bytes, ids offset, n rows
 _TABLE = struct.Struct("<HQ")             # name length, rows
 _LEGACY = struct.Struct("<HIQ")           # name length, row bytes, n rows (one table, no magic)
 _MAGIC = b"RSET"
+
+
+class Fill(NamedTuple):
+    """A payload part written in place: the journal hands ``fn`` a writable uint8 numpy view of
+    ``nbytes`` bytes where the part goes (in the segment's mapping, or in the aligned buffer a
+    direct write is made from) and ``fn`` fills it. No intermediate copy: the dense state is
+    copied from the parameters straight to where it is written."""
+
+    nbytes: int
+    fn: Callable[[np.ndarray], None]
+
+
+def part_bytes(p) -> int:
+    """Size of a payload part: a buffer or a :class:`Fill`."""
+    return p.nbytes if isinstance(p, Fill) else memoryview(p).nbytes
+
+
+def materialize(parts: Iterable) -> bytearray:
+    """A payload's parts as one buffer (filling the :class:`Fill` parts): for readers and tests
+    that want the bytes a record would hold."""
+    out = bytearray(sum(part_bytes(p) for p in parts))
+    view, at = np.frombuffer(out, dtype=np.uint8), 0
+    for p in parts:
+        n = part_bytes(p)
+        if isinstance(p, Fill):
+            p.fn(view[at:at + n])
+        else:
+            view[at:at + n] = np.frombuffer(p, dtype=np.uint8)
+        at += n
+    return out
 
 
 def crc32c(parts: Iterable, crc: int = 0) -> int:

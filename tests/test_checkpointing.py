@@ -33,6 +33,7 @@ from helpers import flip
 from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError
 from memory_pool.errors import RecoveryError
 from memory_pool.journal import Journal, RecordType
+from memory_pool.records import Fill, materialize
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("dlrm_cxl_torture", REPO / "tools" / "torture.py")
@@ -144,7 +145,7 @@ def same(a, b, where="state") -> None:
 
 
 def _payload(parts) -> bytearray:
-    return bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts))
+    return materialize(parts)
 
 
 def test_dense_record_round_trips_a_real_dense_state_exactly():
@@ -170,18 +171,19 @@ def test_dense_record_round_trips_a_real_dense_state_exactly():
     assert torch.equal(back["model"]["bottom.0.bias"], w)
 
 
-def test_dense_record_is_a_snapshot_taken_at_pack_time_and_the_double_buffer_alternates():
-    packer = DensePacker()
+def test_dense_record_copies_the_tensors_when_it_is_written_not_when_it_is_packed(tmp_path):
+    # pack() takes the document now and the tensor bytes when the journal writes the record,
+    # straight into its place (one copy): the writer thread relies on update() not changing
+    # them in between (test_the_dense_state_packed_off_thread_is_the_committed_one_even_...).
     w = torch.zeros(1000)
-    a_parts, _ = packer.pack({"w": w, "step": 1})
-    w += 1                                   # the trainer goes on right after pack() returns
-    b_parts, _ = packer.pack({"w": w, "step": 2})
+    parts, n = DensePacker().pack({"w": w, "step": 1})
     w += 1
-    # two buffers: the first transaction's bytes are intact while the second is being filled
-    assert torch.equal(unpack_dense(_payload(a_parts))["w"], torch.zeros(1000))
-    assert torch.equal(unpack_dense(_payload(b_parts))["w"], torch.ones(1000))
-    packer.pack({"w": w, "step": 3})         # ... and the third reuses the first buffer
-    assert torch.equal(unpack_dense(_payload(b_parts))["w"], torch.ones(1000))
+    j = Journal(tmp_path / "j")
+    ref = j.append(RecordType.DENSE, 1, parts)
+    j.end(1, commit_doc(1))
+    w += 1                                   # after the write: the record keeps what it got
+    assert ref.length == n
+    assert torch.equal(unpack_dense(j.read(ref))["w"], torch.ones(1000))
 
 
 def test_dense_record_refuses_keys_it_cannot_carry():
@@ -631,8 +633,9 @@ def test_the_dense_state_packed_off_thread_is_the_committed_one_even_when_update
     pack = ck._packer.pack
 
     def slow_pack(state):
-        time.sleep(0.3)
-        return pack(state)
+        # slow where the tensors are read: the copy into the record, as the journal writes it
+        (head, fill), n = pack(state)
+        return [head, Fill(fill.nbytes, lambda dest: (time.sleep(0.3), fill.fn(dest)))], n
 
     ck._packer.pack = slow_pack
     rows = torch.tensor([3, 4])

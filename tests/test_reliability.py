@@ -93,16 +93,16 @@ def test_device_error_while_the_journal_is_written_stops_with_exit_9_and_the_poo
     pool = tmp_path / "pool"
     assert cli("train", "--pool", pool, *TINY, "--tier", tier, "--steps", 3).returncode == 0
     # The 6th write to the journal fails with EIO (an injected device error). The journal's one
-    # write path: pwritev on a disk, a copy into the segment's mapping on shm (there the error
-    # stands for a failing mapping).
+    # write path: a direct pwrite on a disk, a copy into the segment's mapping on shm (there the
+    # error stands for a failing mapping).
     prelude = """
 import errno, memory_pool.journal as J
 real, calls = J.Journal._write, [0]
-def failing(self, records):
+def failing(self, *args):
     calls[0] += 1
     if calls[0] == 6:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
-    return real(self, records)
+    return real(self, *args)
 J.Journal._write = failing
 """
     p = cli("train", "--pool", pool, "--steps", 12, "--threads", 1, "--no-progress", prelude=prelude)
