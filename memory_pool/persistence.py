@@ -4,9 +4,10 @@
   after-images as ``ROWS`` records and commits them in one group commit; real pmem flushes the
   rows' cache lines; shm and dram have nothing to do (their stores are already where they
   survive).
-* :func:`replay_plan` + :func:`latest`: opening a journaled pool reads the ``ROWS`` of every
-  complete transaction, newest value per row, for the private working copy (idempotent: the
-  journal keeps them until a compaction has written them into the images).
+* :func:`replay_plan` + :func:`replay_rows`: opening a journaled pool reads the ``ROWS`` of every
+  complete transaction and writes the newest value of each row into the private working copy,
+  straight from the journal (idempotent: the journal keeps them until a compaction has written
+  them into the images).
 * :func:`absorb_rows` + :class:`Compactor`: compaction writes them back into the table images,
   sorted, newest value per row, durable before the journal drops the segments; one compaction
   at a time, on a background thread.
@@ -23,7 +24,7 @@ import torch
 from .errors import PoolCorruptError
 from .journal import Journal, RecordType, decode_row_set, encode_rows
 
-__all__ = ["persist_rows", "replay_plan", "latest", "absorb_rows", "Compactor"]
+__all__ = ["persist_rows", "replay_plan", "replay_rows", "newest", "latest", "absorb_rows", "Compactor"]
 
 
 def persist_rows(journal: Journal | None, pairs) -> int:
@@ -58,18 +59,43 @@ def replay_plan(journal: Journal, tables: set[str], where: Path) -> dict[str, li
     return plan
 
 
-def latest(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate (ids, raw) parts in order; keep the last value of every row; sort by row."""
-    ids = torch.cat([p[0] for p in parts])
-    raw = torch.cat([p[1] for p in parts])
+def newest(ids: torch.Tensor) -> torch.Tensor:
+    """Positions (ascending, sorted by id) of the last occurrence of every id in ``ids``."""
     # The last occurrence of each id wins: stable sort, then the last of each equal run.
     order = torch.sort(ids, stable=True).indices
     sid = ids[order]
     last = torch.ones(sid.numel(), dtype=torch.bool)
     if sid.numel() > 1:
         last[:-1] = sid[1:] != sid[:-1]
-    keep = order[last]
+    return order[last]
+
+
+def latest(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate (ids, raw) parts in order; keep the last value of every row; sort by row."""
+    ids = torch.cat([p[0] for p in parts])
+    raw = torch.cat([p[1] for p in parts])
+    keep = newest(ids)
     return ids[keep], raw[keep]
+
+
+def replay_rows(rows: torch.Tensor, parts: list) -> int:
+    """Write the newest value of every row of ``parts`` ((ids, raw) in journal order) into
+    ``rows`` ([n, row_bytes] uint8, the working copy), part by part: each row is copied once,
+    from the journal to its place, with no concatenated copy of them all (on `kaggle` that copy
+    was half a GB). Returns the rows written."""
+    ids = torch.cat([p[0] for p in parts])
+    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+    mask[newest(ids)] = True
+    at = written = 0
+    for pid, raw in parts:
+        m = mask[at:at + pid.numel()]
+        at += pid.numel()
+        if not bool(m.all()):
+            sel = m.nonzero().flatten()
+            pid, raw = pid[sel], raw[sel]
+        rows.index_copy_(0, pid, raw)
+        written += pid.numel()
+    return written
 
 
 def absorb_rows(journal: Journal, tables: dict, refs, stats) -> None:

@@ -585,8 +585,8 @@ def die_after(cls, name, n=1):
 
 g = torch.Generator().manual_seed(7)
 if phase == "replay":
-    from memory_pool.tiers import FileRegion
-    die_after(FileRegion, "restore_rows")  # one table replayed into the working copy, the next not
+    import memory_pool.pool as P
+    die_after(P, "replay_rows")  # one table replayed into the working copy, the next not
     MemoryPool.open(path)
     raise SystemExit("not killed")
 with MemoryPool.open(path) as pool:
@@ -643,3 +643,27 @@ def test_sigkill_during_replay_or_compaction_recovers_the_persisted_contents(tmp
     final = _pool_rows(tmp_pool_dir)
     for n in want:
         assert torch.equal(final[n], want[n]), n
+
+
+def test_replay_writes_the_newest_value_of_every_row_as_applying_the_parts_in_order_would():
+    # Replay copies each row once, straight from its newest part, and compaction sorts the same
+    # set out with latest(): both must equal applying every part in journal order.
+    from memory_pool.persistence import latest, replay_rows
+
+    g = torch.Generator().manual_seed(3)
+    parts = []
+    for k in range(9):
+        ids = torch.randperm(50, generator=g)[:int(torch.randint(1, 30, (1,), generator=g))]
+        if k == 4:
+            ids = torch.tensor([7, 7, 3, 7])            # duplicates inside one part: the last wins
+        parts.append((ids, torch.randint(0, 256, (ids.numel(), 12), dtype=torch.uint8, generator=g)))
+    reference = torch.zeros(50, 12, dtype=torch.uint8)
+    for ids, raw in parts:
+        for i, r in zip(ids.tolist(), raw):
+            reference[i] = r
+    rows = torch.zeros(50, 12, dtype=torch.uint8)
+    n = replay_rows(rows, parts)
+    touched = torch.unique(torch.cat([p[0] for p in parts]))
+    assert n == touched.numel() and torch.equal(rows, reference)
+    ids, raw = latest(parts)
+    assert torch.equal(ids, touched) and torch.equal(raw, reference[touched])
