@@ -88,6 +88,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -233,7 +234,18 @@ class Journal:
         self.recycled = 0             # segments started by reusing a reclaimed one
         if not read_only:
             self.dir.mkdir(parents=True, exist_ok=True)
-        self._scan()
+        for attempt in range(5 if read_only else 1):
+            try:
+                self._scan()
+                break
+            except (JournalCorruptError, FileNotFoundError):
+                # A reader beside a live writer (inspect --no-digest) may scan the journal in
+                # motion: a record whose header is not written yet while later records and an
+                # END already are, or START moved and segments renamed by a compaction between
+                # listing and reading them. That is gone when it looks again; damage stays.
+                if attempt == 4 or not read_only:
+                    raise
+                time.sleep(0.02 * (attempt + 1))
 
     # -- scanning
     def _start_seq(self) -> int:

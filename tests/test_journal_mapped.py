@@ -185,3 +185,42 @@ def test_a_full_file_system_is_pool_full_not_a_crash(shm_dir, run_py):
     assert "growing journal segment" in msgs[1]
     # nothing committed is lost: the second journal still holds its transaction
     assert [t[0] for t in contents(shm_dir / "grow")] == [0]
+
+
+APPENDER = """
+import sys, time
+from pathlib import Path
+from memory_pool.journal import Journal, RecordType
+j = Journal(Path(sys.argv[1]), sync=False, mapped=True, segment_bytes=256 << 10)
+big = bytes(range(256)) * 256
+tag = 0
+while True:
+    j.append_many([(RecordType.UNDO, tag, [big]), (RecordType.ROWS, tag, [big[:30001]])])
+    j.end(tag, {"step": tag})
+    if tag % 40 == 39:  # segments dropped and recycled while readers look
+        j.rotate()
+        j.reclaim(j.txns[-1].first_seq)
+    if tag == 0:
+        print("committed", flush=True)
+    tag += 1
+    time.sleep(0.001)  # a step a millisecond (a trainer's is ~100): the journal always in motion
+"""
+
+
+def test_a_reader_beside_a_live_writer_never_mistakes_an_append_in_progress_for_damage(shm_dir):
+    # `inspect --no-digest` opens a pool's journal read-only while a trainer appends to it. A
+    # scan that meets a record whose header is not written yet, and then finds later records
+    # (and an END) that were written meanwhile, or a START that moved while segments were being
+    # listed, has seen a journal in motion, not damage: it looks again.
+    proc = subprocess.Popen([sys.executable, "-c", APPENDER, str(shm_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "committed"
+        seen = []
+        deadline = time.time() + 4
+        while time.time() < deadline:
+            j = Journal(shm_dir, read_only=True)
+            seen.append(j.last.tag if j.last else -1)
+        assert len(seen) > 20 and seen[-1] > seen[0], "the writer was appending all along"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

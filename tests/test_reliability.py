@@ -182,8 +182,8 @@ def test_readers_beside_a_training_writer_refuse_or_see_a_committed_state(tmp_pa
             assert code == 5, (argv, code, err)
             assert "is being trained" in err and "hint:" in err and "Traceback" not in err
         assert not (tmp_path / "x.pt").exists()
-        code, out, _ = _run_main("inspect", "--pool", pool, "--no-digest")
-        assert code == 0 and "state_digest" not in out
+        code, out, _ = _run_main("inspect", "--pool", pool, "--no-digest")  # (_: stderr)
+        assert code == 0 and "state_digest" not in out, (code, _)
     finally:
         writer.kill()
         writer.wait()
