@@ -11,19 +11,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import flip
+from helpers import flip, journal_writer, kill_writer_and_check_journal
 from memory_pool import NeedsRecoveryError
 from memory_pool.journal import BLOCK, SEG, SEG_RECYCLED, Journal, JournalCorruptError, RecordType
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def payload(seq: int, n: int = 300) -> bytes:
@@ -144,46 +139,13 @@ def test_damage_before_the_newest_end_of_a_direct_segment_is_refused(direct_dir)
         Journal(direct_dir, read_only=True)
 
 
-KILLER = """
-import sys
-from pathlib import Path
-from memory_pool.journal import Journal, RecordType
-j = Journal(Path(sys.argv[1]), direct=True, segment_bytes=4 << 20)
-big = bytes(range(256)) * 4096                      # 1 MiB records: the kill lands mid-write
-tag = 0
-while True:
-    j.append_many([(RecordType.UNDO, tag, [big]), (RecordType.ROWS, tag, [big[:300001]])])
-    j.append(RecordType.DENSE, tag, [big[:700003]])
-    j.end(tag, {"step": tag})
-    if tag == 0:
-        print("committed", flush=True)
-    tag += 1
-"""
+KILLER = journal_writer("direct=True, segment_bytes=4 << 20", (1 << 20, 300001, 700003))
 
 
 @pytest.mark.parametrize("trial", range(3))
 def test_a_process_killed_while_writing_directly_leaves_its_commits_and_a_clean_or_torn_tail(direct_dir, trial):
-    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(direct_dir)], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        assert proc.stdout.readline().strip() == "committed"
-        time.sleep(0.1 + 0.17 * trial)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    j = Journal(direct_dir, direct=True, segment_bytes=4 << 20)
-    tags = [t.tag for t in j.txns]
-    assert tags == list(range(len(tags))) and tags, "every commit before the kill survives, in order"
-    assert j.tail_damage is None and all(r.tag == tags[-1] + 1 for r in j.tail)
-    for t in j.txns[-2:]:
-        assert [len(p) for _, p in j.read_many(t.records)] == [1 << 20, 300001, 700003]
-    if j.tail or j.torn_bytes:
-        j.truncate_tail()
-    j.append(RecordType.UNDO, 99, [b"after"])
-    j.end(99, {})
-    j.close()
-    again = Journal(direct_dir, read_only=True)
-    assert [t.tag for t in again.txns] == tags + [99] and again.tail == [] and again.torn_bytes == 0
+    kill_writer_and_check_journal(KILLER, direct_dir, 0.1 + 0.17 * trial, [1 << 20, 300001, 700003],
+                                  direct=True, segment_bytes=4 << 20)
 
 
 def test_a_full_file_system_under_direct_writes_is_pool_full_and_keeps_what_was_committed(direct_dir, run_py):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import flip
+from helpers import flip, journal_writer, kill_writer_and_check_journal
 from memory_pool import NeedsRecoveryError
 from memory_pool.journal import SEG, SEG_RECYCLED, Journal, JournalCorruptError, RecordType
 
@@ -112,45 +112,13 @@ def test_damage_before_the_newest_end_of_a_mapped_segment_is_refused(shm_dir):
         Journal(shm_dir, read_only=True)
 
 
-KILLER = """
-import sys
-from pathlib import Path
-from memory_pool.journal import Journal, RecordType
-j = Journal(Path(sys.argv[1]), sync=False, mapped=True, segment_bytes=1 << 20)
-big = bytes(range(256)) * 4096                      # 1 MiB records: the kill lands mid-copy
-tag = 0
-while True:
-    j.append_many([(RecordType.UNDO, tag, [big]), (RecordType.ROWS, tag, [big[:300000]])])
-    j.append(RecordType.DENSE, tag, [big[:700000]])
-    j.end(tag, {"step": tag})
-    if tag == 0:
-        print("committed", flush=True)
-    tag += 1
-"""
+KILLER = journal_writer("sync=False, mapped=True, segment_bytes=1 << 20", (1 << 20, 300000, 700000))
 
 
 @pytest.mark.parametrize("trial", range(4))
 def test_a_process_killed_while_copying_records_leaves_its_commits_and_a_clean_or_torn_tail(shm_dir, trial):
-    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(shm_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "committed"
-        time.sleep(0.05 + 0.11 * trial)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    j = Journal(shm_dir, sync=False, mapped=True, segment_bytes=1 << 20)
-    tags = [t.tag for t in j.txns]
-    assert tags == list(range(len(tags))) and tags, "every commit before the kill survives, in order"
-    assert j.tail_damage is None and all(r.tag == tags[-1] + 1 for r in j.tail)
-    for t in j.txns[-2:]:
-        assert [len(p) for _, p in j.read_many(t.records)] == [1 << 20, 300000, 700000]
-    if j.tail or j.torn_bytes:
-        j.truncate_tail()
-    j.append(RecordType.UNDO, 99, [b"after"])
-    j.end(99, {})
-    j.close()
-    again = Journal(shm_dir, read_only=True)
-    assert [t.tag for t in again.txns] == tags + [99] and again.tail == [] and again.torn_bytes == 0
+    kill_writer_and_check_journal(KILLER, shm_dir, 0.05 + 0.11 * trial, [1 << 20, 300000, 700000],
+                                  sync=False, mapped=True, segment_bytes=1 << 20)
 
 
 def test_a_full_file_system_is_pool_full_not_a_crash(shm_dir, run_py):
