@@ -208,7 +208,7 @@ def _parse_header(raw: bytes):
 
 
 class Journal:
-    """See the module docstring. Open with ``Journal(dir, sync=..., mapped=..., read_only=...)``:
+    """See the module docstring. Open with ``Journal(dir, sync=..., mapped=..., direct=..., read_only=...)``:
     the constructor scans (and verifies the structure of) everything already there."""
 
     def __init__(self, directory: Path, *, sync: bool = True, segment_bytes: int = 64 << 20,
