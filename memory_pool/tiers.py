@@ -27,8 +27,10 @@ form one flat range that fbgemm's table-batched kernels index with per-table off
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -85,6 +87,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
+
+
+# Rows written back in runs of at least this many bytes on average go with pwrite (one call per
+# run); shorter runs through a shared mapping (one page fault per page): FileRegion.write_back.
+_LONG_RUN = 64 << 10
 
 
 class Region:
@@ -198,14 +205,50 @@ class FileRegion(Region):
         if journaled and not read_only:
             self._dirty = torch.zeros(rows, dtype=torch.bool)
 
+    @contextmanager
+    def home(self):
+        """The image file itself, mapped shared and writable (a writable open), as a
+        ``[rows, row_bytes]`` uint8 tensor valid inside the ``with``: stores go to the file's
+        page cache (durable after :meth:`sync`). The private working copy shows them on pages
+        this process has not written itself.
+
+        Why (compaction's write-back): a store through the mapping costs one page fault per
+        page, whatever the number of rows in it; ``pwrite`` costs a system call, and a Python
+        call, per run of adjacent rows. Measured on `small` (1.4M rows in 757k runs on 106k
+        pages): 1.95 s of CPU with ``pwrite``, 0.47 s through the mapping. On a cached page
+        with a row alone in it the two cost the same (1.8-1.9 us here). The blocks of an image
+        are allocated and written when it is created (``posix_fallocate``, then its rows), so
+        a store here overwrites allocated blocks and needs no space: a full disk does not turn
+        into a SIGBUS (a copy-on-write file system, which allocates on overwrite, reports it
+        at :meth:`sync`)."""
+        if not self.nbytes:
+            yield torch.empty(0, self.row_bytes, dtype=torch.uint8)
+            return
+        mm = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = torch.frombuffer(mm, dtype=torch.uint8).view(self.rows, self.row_bytes)
+        try:
+            yield view
+        finally:
+            del view
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a view escaped the ``with``: unmapped when it goes
+
     def write_back(self, ids: torch.Tensor, raw: torch.Tensor) -> int:
-        """Write rows (sorted, distinct ids; raw [n, row_bytes] uint8) into the image file with
-        ``pwrite``, adjacent rows coalesced. Not synced: see :meth:`sync`."""
+        """Write rows (sorted, distinct ids; raw [n, row_bytes] uint8) into the image file. Not
+        synced: see :meth:`sync`. Long runs of adjacent rows (a load) go with ``pwrite``;
+        scattered rows (a compaction) are stored through :meth:`home`, one page fault per page
+        instead of one system call per run."""
         if ids.numel() == 0:
             return 0
         rb = self.row_bytes
-        data = raw.contiguous().numpy()
         breaks = (torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1).tolist()
+        if ids.numel() * rb < (len(breaks) + 1) * _LONG_RUN:
+            with self.home() as home:
+                home.index_copy_(0, ids, raw)
+            return ids.numel() * rb
+        data = raw.contiguous().numpy()
         starts = [0, *breaks]
         ends = [*breaks, ids.numel()]
         first = ids[starts].tolist() if len(starts) > 1 else [int(ids[0])]

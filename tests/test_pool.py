@@ -662,6 +662,40 @@ def test_power_sim_persist_journals_only_dirty_rows_and_compaction_writes_them_b
         assert pool.stats.bytes_written_back - wb == 3 * DIM * 4
 
 
+def test_write_back_stores_scattered_rows_through_a_mapping_and_long_runs_with_pwrite(tmp_pool_dir, monkeypatch):
+    """Compaction's write-back (FileRegion.write_back): scattered rows go through a shared
+    mapping of the image (no system call per run), a long run of adjacent rows (a load) with
+    pwrite. Both reach the file; the working copy keeps the rows this process wrote itself."""
+    rows, dim = 4096, 64  # 256-byte rows: 16 to a page, a run of 256 rows is 64 KiB
+    pool, t, ref = new_pool(tmp_pool_dir, "power-sim", rows=rows, dim=dim)
+    with pool:
+        path = pool.storage_dir / "tables" / "t.bin"
+        on_disk = lambda: torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32).view(rows, dim)
+        region = t._region
+        calls = []
+        real_pwrite = os.pwrite
+        monkeypatch.setattr(os, "pwrite", lambda fd, buf, off: calls.append(off) or real_pwrite(fd, buf, off))
+        t.write([5], torch.full((1, dim), -1.0))  # the working copy's own row, never persisted
+
+        scattered = torch.tensor([1, 5, 40, 41, 3000])
+        new = torch.arange(5 * dim, dtype=torch.float32).view(5, dim) + 100
+        assert not torch.equal(on_disk()[scattered], new)
+        assert region.write_back(scattered, new.view(torch.uint8).view(5, -1)) == 5 * dim * 4
+        assert calls == []  # through the mapping
+        want = ref.clone()
+        want[scattered] = new
+        assert torch.equal(on_disk(), want)
+        assert torch.equal(t.read([5]), torch.full((1, dim), -1.0))  # its own copy-on-write page
+
+        run = torch.arange(512, 1024)
+        block = torch.randn(run.numel(), dim)
+        assert region.write_back(run, block.view(torch.uint8).view(run.numel(), -1)) == run.numel() * dim * 4
+        assert calls and calls[0] == 512 * dim * 4  # with pwrite, from the run's first byte
+        want[run] = block
+        region.sync()
+        assert torch.equal(on_disk(), want)
+
+
 def test_table_file_is_fully_allocated_at_creation(tmp_path, tmp_pool_dir):
     # So that a full disk fails create_table, never a later in-place update (SIGBUS).
     for tier in DURABLE:
