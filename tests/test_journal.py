@@ -648,7 +648,7 @@ def test_sigkill_during_replay_or_compaction_recovers_the_persisted_contents(tmp
 def test_replay_writes_the_newest_value_of_every_row_as_applying_the_parts_in_order_would():
     # Replay copies each row once, straight from its newest part, and compaction sorts the same
     # set out with latest(): both must equal applying every part in journal order.
-    from memory_pool.persistence import latest, replay_rows
+    from memory_pool.persistence import latest, newest_mask, replay_rows
 
     g = torch.Generator().manual_seed(3)
     parts = []
@@ -665,5 +665,6 @@ def test_replay_writes_the_newest_value_of_every_row_as_applying_the_parts_in_or
     n = replay_rows(rows, parts)
     touched = torch.unique(torch.cat([p[0] for p in parts]))
     assert n == touched.numel() and torch.equal(rows, reference)
-    ids, raw = latest(parts)
+    ids, raw = latest(parts, 50)
     assert torch.equal(ids, touched) and torch.equal(raw, reference[touched])
+    assert newest_mask(torch.tensor([7, 7, 3, 7, 3]), 8).tolist() == [False, False, False, True, True]
