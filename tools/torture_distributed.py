@@ -25,7 +25,9 @@ ranks, one pool per rank under ``DIR``), started by this script as a real proces
    as the children of the torchrun agent (the process this script started) whose environment
    says ``RANK=r`` and ``TORCHELASTIC_RESTART_COUNT=0``; one of them, chosen at random
    (``random.Random(seed)``), is killed with SIGKILL after a random delay (uniform between about
-   two step times and 90 % of the run). torchrun sees the rank die, stops the other one and
+   two step times and 90 % of the run, counted from the first step: the time from the banner to
+   rank 0's first completed step is learnt from the trials before, so kills land mid-run and not
+   while the ranks still open their pools). torchrun sees the rank die, stops the other one and
    restarts both; every rank recovers to the newest step *every* rank committed and the job
    runs to the end. A trial is **bit-exact** when the job exits 0, the killed rank really died
    (the job restarted: a second banner), and both the digest rank 0 prints at the end and the
@@ -144,6 +146,12 @@ class Job:
         found = [int(n) for n, tot in BAR_RE.findall(self.err_before(t)) if int(tot) == total]
         return max(found) if found else None
 
+    def first_step_at(self, total: int) -> float | None:
+        """When rank 0's progress bar first showed a completed step (monotonic time), or None."""
+        with self._lock:
+            times = [tm for _, tm in self._err_marks]
+        return next((tm for tm in times if (self.bar_before(tm, total) or 0) >= 1), None)
+
     def banners(self) -> list[tuple[float, int]]:
         return [(tm, int(m.group(1))) for tm, line in self.out_lines if (m := BANNER_RE.match(line))]
 
@@ -179,6 +187,7 @@ class Trial:
     delay_s: float
     rc: int | None = None
     step_s: float | None = None        # seconds per step, from rank 0's progress bar
+    startup_s: float | None = None     # banner -> rank 0's first completed step, before the kill
     killed: bool = False               # the signal reached a live rank
     completed: int | None = None       # steps rank 0's bar had completed at the kill
     reached: int | None = None         # the step the job was executing
@@ -223,10 +232,10 @@ def reference(cli: Cli, pool: Path, *, steps: int, tier: str, seed: int, log) ->
 
 
 def run_trial(cli: Cli, n: int, pool: Path, *, steps: int, tier: str, seed: int, restarts: int, ref: str,
-              rnd: random.Random, step_s: float) -> Trial:
+              rnd: random.Random, step_s: float, startup_s: float = 0.0) -> Trial:
     rank = rnd.randrange(2)
     hi = 0.9 * steps * step_s
-    delay = rnd.uniform(min(2 * step_s, hi / 2), hi)
+    delay = startup_s + rnd.uniform(min(2 * step_s, hi / 2), hi)
     t = Trial(n, rank, delay)
     job = Job(torchrun_cmd(pool, steps=steps, tier=tier, seed=seed, restarts=restarts), env=BAR_ENV)
 
@@ -272,6 +281,9 @@ def run_trial(cli: Cli, n: int, pool: Path, *, steps: int, tier: str, seed: int,
     bar = job.bar_before(t_kill + 1.0, steps)  # a restart takes seconds: what came within 1 s is from before
     banners = job.banners()
     t.incarnations = len(banners)
+    first = job.first_step_at(steps)
+    if banners and first is not None and first < t_kill:
+        t.startup_s = first - banners[0][0]
     start0 = banners[0][1] if banners else 0
     t.completed = bar if bar is not None else start0
     t.reached = t.completed + 1 if start0 < t.completed < steps else t.completed
@@ -353,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         if ref is None:
             return 2
         rates: list[float] = []
+        startups: list[float] = []
         attempts = 0
         while sum(not k.after_end for k in kills) < a.trials:
             attempts += 1
@@ -361,9 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if rates:
                 step_s = sorted(rates[-5:])[len(rates[-5:]) // 2]
+            startup_s = sorted(startups[-5:])[len(startups[-5:]) // 2] if startups else 0.0
             pool = root / f"trial-{attempts}"
             t = run_trial(cli, attempts, pool, steps=a.steps, tier=a.tier, seed=a.seed, restarts=a.max_restarts,
-                          ref=ref, rnd=rnd, step_s=step_s)
+                          ref=ref, rnd=rnd, step_s=step_s, startup_s=startup_s)
             kills.append(t)
             _destroy_under(pool)
             done = sum(not k.after_end for k in kills)
@@ -375,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"step(s) {t.lost_steps}: " + ("bit-exact" if t.bit_exact else f"DIVERGED: {t.problem}"))
             if t.step_s:
                 rates.append(t.step_s)
+            if t.startup_s is not None:
+                startups.append(t.startup_s)
     finally:
         if cli is not None:
             cli.close()
