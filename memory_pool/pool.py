@@ -168,7 +168,11 @@ class MemoryPool:
         absorb = (lambda refs: absorb_rows(self.journal, self._tables, refs, self.stats)) if self.journaled else None
 
         def run():
+            t0, c0 = time.perf_counter(), time.thread_time()
             self.stats.bytes_compacted += self.journal.reclaim(seq, absorb)
+            self.stats.compactions += 1
+            self.stats.compact_seconds += time.perf_counter() - t0
+            self.stats.compact_cpu_seconds += time.thread_time() - c0
 
         return self._compactor.run(run, wait=wait)
 

@@ -655,11 +655,12 @@ def test_power_sim_persist_journals_only_dirty_rows_and_compaction_writes_them_b
         t.write([8, 9], torch.full((2, DIM), 4.0))
         assert t.persist([8]) == DIM * 4  # only row 8 ...
         assert t.persist() == DIM * 4  # ... so row 9 is still dirty, and persist() writes it
-        wb = pool.stats.bytes_written_back
+        wb, n = pool.stats.bytes_written_back, pool.stats.compactions
         pool.compact()
         ref[7], ref[8], ref[9] = 3.0, 4.0, 4.0
         assert torch.equal(on_disk(), ref)
         assert pool.stats.bytes_written_back - wb == 3 * DIM * 4
+        assert pool.stats.compactions == n + 1 and pool.stats.compact_seconds > 0  # what --json reports
 
 
 def test_write_back_stores_scattered_rows_through_a_mapping_and_long_runs_with_pwrite(tmp_pool_dir, monkeypatch):
