@@ -260,6 +260,13 @@ def _cmd_train(args) -> int:
               f"{ck['dense_bytes_per_step'] / 1e6:.2f} MB of dense state made durable; "
               f"{ck['device_write_bytes_per_step'] / 1e6:.2f} MB written to the device"
               + (f" (write amplification {wa:.2f}x)" if wa else ""))
+    ps = d.get("pool_stats") or {}
+    if ps.get("compactions") and ps.get("bytes_written_back") and summary.steps_run:
+        # On a journaled tier, compaction is the checkpointer's largest cost after the journal
+        # itself: on its own thread, but taken from the step's cores.
+        print(f"compaction: {ps['compactions']} in the background, {ps['compact_cpu_seconds']:.2f} s of CPU "
+              f"({1e3 * ps['compact_cpu_seconds'] / summary.steps_run:.2f} ms/step amortised); "
+              f"{ps['bytes_written_back'] / 1e6:.1f} MB of rows written back into the tables")
     for ev in summary.eval:
         print(f"eval at step {ev['step']}: auc {ev['auc']:.4f}, logloss {ev['logloss']:.4f}")
     print(f"state_digest {digest}")

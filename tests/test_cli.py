@@ -147,6 +147,21 @@ def test_train_inspect_eval_in_process(trained):
     assert "tier pmem" in err2
 
 
+def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", "0.25")  # a compaction every few steps
+    pool = tmp_path / "pool"
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 12)
+    assert code == 0, err
+    m = re.search(r"^compaction: (\d+) in the background, ([\d.]+) s of CPU \(([\d.]+) ms/step amortised\); "
+                  r"([\d.]+) MB of rows written back into the tables$", out, re.M)
+    assert m and int(m.group(1)) >= 1 and float(m.group(4)) > 0, out
+    code, js, _ = run_main("train", "--pool", pool, *TINY, "--steps", 14, "--json")
+    assert code == 0
+    stats = json.loads(js)["pool_stats"]
+    assert stats["compactions"] >= 1 and stats["compact_seconds"] > 0 and stats["bytes_written_back"] > 0
+    destroy_pool(pool)
+
+
 def test_flags_on_an_existing_pool_are_checked_against_its_own_config(trained):
     pool = trained[0]
     code, _, err = run_main("train", "--pool", pool, "--steps", 60, "--lr", 0.5)
