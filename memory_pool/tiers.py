@@ -218,9 +218,10 @@ class FileRegion(Region):
         pages): 1.95 s of CPU with ``pwrite``, 0.47 s through the mapping. On a cached page
         with a row alone in it the two cost the same (1.8-1.9 us here). The blocks of an image
         are allocated and written when it is created (``posix_fallocate``, then its rows), so
-        a store here overwrites allocated blocks and needs no space: a full disk does not turn
-        into a SIGBUS (a copy-on-write file system, which allocates on overwrite, reports it
-        at :meth:`sync`)."""
+        a store here overwrites allocated blocks and needs no space (ext4, xfs): a full disk
+        does not turn into a SIGBUS. On a copy-on-write file system (btrfs), which allocates on
+        every overwrite, a store into a full disk can: there, ``pwrite`` would have reported it
+        as an error."""
         if not self.nbytes:
             yield torch.empty(0, self.row_bytes, dtype=torch.uint8)
             return
