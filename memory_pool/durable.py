@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .errors import PoolCorruptError, PoolFullError, PoolIOError
 
-__all__ = ["atomic_write", "fsync_dir", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "parse_json_object",
+__all__ = ["atomic_write", "fsync_dir", "pwrite_all", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "parse_json_object",
            "FULL_ERRNOS"]
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # "the disk is full", in its forms
@@ -34,6 +34,14 @@ def raise_if_full(exc: OSError, what: str) -> None:
     if exc.errno == errno.EIO:
         raise PoolIOError(f"{what}: {os.strerror(exc.errno)}") from exc
     raise exc
+
+
+def pwrite_all(fd: int, buf, off: int) -> None:
+    """``pwrite`` all of ``buf`` at ``off`` (a write may be short: a signal, a file size limit)."""
+    buf = memoryview(buf).cast("B")
+    while buf:
+        n = os.pwrite(fd, buf, off)
+        buf, off = buf[n:], off + n
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -96,7 +96,7 @@ from typing import Callable, Iterable, Sequence
 import google_crc32c
 import numpy as np
 
-from .durable import atomic_write, fsync_dir, raise_if_full
+from .durable import atomic_write, fsync_dir, pwrite_all, raise_if_full
 from .records import Fill, crc32c, decode_row_set, decode_rows, encode_row_set, encode_rows, part_bytes  # noqa: F401
 from .errors import NeedsRecoveryError, PoolCorruptError, PoolReadOnlyError
 
@@ -623,7 +623,7 @@ class Journal:
                 n = -(-n // BLOCK) * BLOCK
                 dest[end - base:n] = 0
             try:
-                _pwrite_all(self._fd, memoryview(self._staging[0])[:n], base)
+                pwrite_all(self._fd, memoryview(self._staging[0])[:n], base)
             except OSError as exc:
                 if not (self.direct and exc.errno == errno.EINVAL):
                     raise
@@ -631,7 +631,7 @@ class Journal:
                 # limit that cut it short (a full disk is ENOSPC). The same bytes through the
                 # page cache, from now on (a real error shows again there).
                 self._set_direct(False)
-                _pwrite_all(self._fd, memoryview(self._staging[0])[:n], base)
+                pwrite_all(self._fd, memoryview(self._staging[0])[:n], base)
             if self.direct:
                 self._tail_block = bytes(dest[end - end % BLOCK - base:end - base])
         return crcs
@@ -839,9 +839,3 @@ def _prefetch(refs: Sequence[RecordRef]) -> None:
                 os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
-
-
-def _pwrite_all(fd: int, buf: memoryview, off: int) -> None:
-    while buf:
-        n = os.pwrite(fd, buf, off)
-        buf, off = buf[n:], off + n

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .durable import raise_if_full
+from .durable import pwrite_all, raise_if_full
 from ._native import libpmem
 from .arena import Arena
 from .errors import InvalidConfigError, PoolCorruptError, PoolFullError
@@ -255,11 +255,7 @@ class FileRegion(Region):
         first = ids[starts].tolist() if len(starts) > 1 else [int(ids[0])]
         try:
             for a, b, row in zip(starts, ends, first):
-                buf = memoryview(data[a:b]).cast("B")
-                off = row * rb
-                while buf:
-                    n = os.pwrite(self.fd, buf, off)
-                    buf, off = buf[n:], off + n
+                pwrite_all(self.fd, data[a:b], row * rb)
         except OSError as exc:
             raise_if_full(exc, f"writing back rows of {self.path}")
         return ids.numel() * rb
