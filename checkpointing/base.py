@@ -41,6 +41,7 @@ class Step:
     k: int
     touched: list = field(default_factory=list)     # [(Table, rows)]
     before: list | None = None                      # before-images, in touched order
+    gathered: Future | None = None                  # -> ``before``, once they are copied
     undo: Future | None = None                      # the UNDO records' durability
     updated: bool = False
 

@@ -12,20 +12,22 @@ Per step ``k`` (the call order of :mod:`checkpointing.base`)::
 What is written depends on where a store lands (``MemoryPool.journaled``):
 
 * **Direct tiers** (shm, real pmem): an in-place store reaches the surviving medium at once, so the
-  rows' old values must be durable *before* the update: ``log_before_image`` gathers the
-  before-images (a memory copy) and the writer thread appends them as ``UNDO`` records and syncs;
-  ``persist`` waits for that. Recovery rolls back the ``UNDO`` records after the last commit.
+  rows' old values must be durable *before* the update: ``log_before_image`` hands the rows to
+  the writer thread, which gathers the before-images (a memory copy, while the forward only
+  reads them), appends them as ``UNDO`` records and syncs; ``persist`` waits for that. Recovery
+  rolls back the ``UNDO`` records after the last commit.
 * **Journaled tiers** (emulated pmem, power-sim): the working copy is volatile and a row reaches
   durable media only inside a committed journal transaction. The rows of an unfinished step never
   need undoing, so no before-images are written; ``commit`` appends the step's after-images
   (``ROWS``) instead. (With several ranks, every tier also writes ``UNDO``: a rank may have to roll
   back past its own newest commit, to the step every rank committed.)
 
-``commit(k)`` hands the transaction ``[ROWS] DENSE END(k)`` to the writer thread with the dense
-state's live tensors; the writer packs them (raw bytes, no pickle), appends the transaction and
-makes it durable with one group commit (records synced, then the ``END``). The next ``update``
-(the dense optimizer step) waits until they are packed, so the trainer's thread never copies
-the dense state. Pipelining, not skipping: step ``k+1``
+``commit(k)`` hands the transaction ``[ROWS] DENSE END(k)`` to the writer thread with the rows
+the step changed and the dense state's live tensors; the writer gathers the rows' after-images,
+packs the tensors (raw bytes, no pickle), appends the transaction and makes it durable with one
+group commit (records synced, then the ``END``). The next step's ``persist`` (before the fused
+backward changes rows) and ``update`` (the dense optimizer step) wait until they are copied, so
+the trainer's thread copies neither rows nor dense state. Pipelining, not skipping: step ``k+1``
 computes while ``k`` becomes durable; ``commit(k+1)`` waits only if ``k`` is still not durable
 then (``commit_wait_seconds``). So a crash loses at most the step in flight and the one before
 it. ``--dense-every N > 1`` makes every N-th step a recovery point instead (fewer dense bytes;
@@ -104,8 +106,9 @@ class UndoLogCheckpointer(Checkpointer):
         self.stats = CheckpointStats()
         self.compact_bytes = default_compact_bytes(pool)
         self._packer = DensePacker()
-        self._dense_packed = threading.Event()   # the newest recovery point's dense state is packed
-        self._dense_packed.set()
+        self._read = threading.Event()   # the writer has copied what the newest commit reads in place
+        self._read.set()
+        self._reading: Future | None = None      # the job that reads it
         self._writer = _Inline() if inline else ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
         self._inflight: Future | None = None    # the newest recovery point handed over
         self._last_job: Future | None = None    # the newest transaction part handed over
@@ -118,8 +121,9 @@ class UndoLogCheckpointer(Checkpointer):
         self._pending_start: int | None = None   # first seq of the open transaction
         self._lock = threading.Lock()
         self._broken: str | None = None
-        # Reusable gather buffers, two per kind: the writer thread may still be writing step k-1's
-        # images while step k's are gathered (the pipeline never holds more than one step back).
+        # Reusable gather buffers, two per kind: step k's before-images (kept until its commit,
+        # for abort) and step k+1's, and after-images while a step's transaction is being
+        # written (the pipeline never holds more than one step back).
         self._bufs = {(kind, i): {} for kind in ("undo", "rows") for i in (0, 1)}
         self._closed = False
         ckpt_dir(pool.storage_dir).mkdir(parents=True, exist_ok=True)
@@ -149,22 +153,32 @@ class UndoLogCheckpointer(Checkpointer):
         self.hit("before-log")
         cur.touched = list(touched)
         if self.log_undo:
-            # A copy of the rows' current values: the step's before-images. The only logging
-            # work on the trainer's thread; the writer thread appends and syncs them.
-            groups = self.pool.gather_row_groups(cur.touched, buffers=self._bufs[("undo", cur.k % 2)])
-            cur.before = self.pool.rows_per_pair(cur.touched, groups)
-            cur.undo = self._writer.submit(self._write_undo, cur.k, _row_sets(cur.touched, groups))
+            # Nothing on the trainer's thread: the writer thread copies the rows' current values
+            # (the step's before-images), appends and syncs them while the forward runs. No
+            # row changes before persist() has waited for that.
+            cur.gathered = Future()
+            cur.undo = self._writer.submit(self._write_undo, cur, self._bufs[("undo", cur.k % 2)])
         else:
             self.hit("mid-log")
         self.stats.critical_seconds += time.perf_counter() - t0
 
     def before_images(self) -> dict[str, torch.Tensor] | None:
         cur = self._cur
-        if cur is None or cur.before is None:
+        if cur is None or cur.gathered is None:
             return None
-        return {t.name: b for (t, _), b in zip(cur.touched, cur.before)}
+        before = cur.gathered.result()  # (copied by now, or the writer's error)
+        return {t.name: b for (t, _), b in zip(cur.touched, before)}
 
-    def _write_undo(self, k: int, sets: list) -> int:
+    def _write_undo(self, cur: Step, bufs: dict) -> int:
+        k = cur.k
+        try:
+            groups = self.pool.gather_row_groups(cur.touched, buffers=bufs)
+        except BaseException as exc:
+            cur.gathered.set_exception(exc)
+            raise
+        sets = _row_sets(cur.touched, groups)
+        cur.before = self.pool.rows_per_pair(cur.touched, groups)
+        cur.gathered.set_result(cur.before)
         recs = [(RecordType.UNDO, k, encode_row_set(tables, rows)) for tables, rows in sets]
         n = _set_bytes(sets)
         half = len(recs) // 2
@@ -192,13 +206,16 @@ class UndoLogCheckpointer(Checkpointer):
         dt = time.perf_counter() - t0
         self.stats.log_wait_seconds += dt
         self.stats.critical_seconds += dt
+        # The update may follow at once (the fused backward's): what the writer thread reads of
+        # the previous commit (its after-images, its dense state) must have been read first.
+        self._wait_read()
         self.hit("after-log")
 
     def update(self, fn: Callable[[], None]) -> None:
         cur = self._cur
         if cur.undo is not None and not cur.undo.done():
             raise RuntimeError("update() before persist(): the write-ahead rule would be broken")
-        self._wait_dense_packed()
+        self._wait_read()
         cur.updated = True
         fn()
         self.hit("after-update")
@@ -236,13 +253,10 @@ class UndoLogCheckpointer(Checkpointer):
             due = final or crash_here or step - self._last_submitted >= self.dense_every
         else:
             due = final or step % self.dense_every == 0
-        rows = None
-        if self.log_rows and cur is not None and cur.touched:
-            # After-images now, on this thread: step k+1 may change them as soon as we return.
-            rows = _row_sets(cur.touched, self.pool.gather_row_groups(cur.touched,
-                                                                      buffers=self._bufs[("rows", step % 2)]))
-        # The dense state's live tensors: the writer thread packs them (off this thread's
-        # critical path) before the next update() may change them (_wait_dense_packed).
+        # The step's after-images and the dense state's live tensors: the writer thread copies
+        # them (off this thread's critical path) before the next step's persist() or update()
+        # lets anything change them (_wait_read).
+        rows = cur.touched if self.log_rows and cur is not None and cur.touched else None
         dense = self.dense_state(step) if due else None
         self._submit(step, rows, dense, wait=final or crash_here)
         self._release()
@@ -262,28 +276,36 @@ class UndoLogCheckpointer(Checkpointer):
             self.stats.commit_wait_seconds += time.perf_counter() - t0
         if dense is not None:
             self._last_submitted = step
-            self._dense_packed.clear()
+        if rows is not None or dense is not None:
+            self._read.clear()
         fut = self._writer.submit(self._write_txn, step, rows, dense)
         self._last_job = fut
+        if rows is not None or dense is not None:
+            self._reading = fut
         if dense is not None:
             self._inflight = fut
         if wait:
             fut.result()
 
-    def _write_txn(self, step: int, rows, dense) -> None:
+    def _write_txn(self, step: int, touched, dense) -> None:
         crash = self.crash if (self.crash is not None and self.crash.at(step, *COMMIT_PHASES)) else None
         j = self.journal
-        recs = [(RecordType.ROWS, step, encode_row_set(tables, r)) for tables, r in rows or ()]
+        rows = None
         try:
+            recs = []
+            if touched:
+                # The after-images, gathered into this step's buffers (the pipeline never holds
+                # more than one step back, so two buffers are never both being written).
+                rows = _row_sets(touched, self.pool.gather_row_groups(touched, buffers=self._bufs[("rows", step % 2)]))
+                recs = [(RecordType.ROWS, step, encode_row_set(tables, r)) for tables, r in rows]
             if dense is not None:
                 parts, n = self._packer.pack(dense)
                 recs.append((RecordType.DENSE, step, parts))
             # One write for the rows and the dense state; the live tensors are copied into the
-            # DENSE record as it is written: from here on update() may change them.
+            # DENSE record as it is written: from here on the next step may change them.
             refs = j.append_many(recs) if recs else []
         finally:
-            if dense is not None:
-                self._dense_packed.set()
+            self._read.set()
         for ref in refs:
             self._note_start(ref)
         if rows:
@@ -332,17 +354,16 @@ class UndoLogCheckpointer(Checkpointer):
         self._submit(step, None, self.dense_state(step), wait=True)
         self._release()
 
-    def _wait_dense_packed(self) -> None:
-        """The newest recovery point's dense state is read in place by the writer thread: wait
-        until it has been packed before anything changes it. On a direct tier it always has
-        (``persist`` waited for this step's undo records, queued behind it); on a journaled tier
-        this is a point where the trainer may wait for the writer (counted as commit wait)."""
-        job = self._inflight
-        if job is None or self._dense_packed.is_set():
+    def _wait_read(self) -> None:
+        """The newest commit's after-images and dense state are read in place by the writer
+        thread: wait until they have been copied before anything changes them. The wait is a
+        step's compute long, so it is almost never felt (counted as commit wait)."""
+        job = self._reading
+        if job is None or self._read.is_set():
             return
         t0 = time.perf_counter()
-        while not self._dense_packed.wait(0.05) and not job.done():
-            pass  # (a job that failed before packing never sets the event)
+        while not self._read.wait(0.05) and not job.done():
+            pass  # (the event is set in a finally; this only guards a job that never ran)
         self.stats.commit_wait_seconds += time.perf_counter() - t0
         if job.done() and job.exception() is not None:
             raise job.exception()

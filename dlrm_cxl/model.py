@@ -270,7 +270,9 @@ class PoolDLRM(nn.Module):
             base = self._row_base
             lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
             shifted = values + torch.repeat_interleave(base[:-1], lens)
-            uniq = torch.unique(shifted, sorted=True)
+            if int(base[-1]) < 2**31:
+                shifted = shifted.to(torch.int32)  # (the sort behind unique: ~30% faster on 32 bits)
+            uniq = torch.unique(shifted, sorted=True).to(torch.int64)
             cut = torch.searchsorted(uniq, base).tolist()
             plan.rows = [uniq[cut[f]:cut[f + 1]] - base[f] for f in range(len(self.features))]
             return plan

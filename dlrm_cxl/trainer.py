@@ -149,19 +149,29 @@ class Trainer:
         return combine_digests(self.dist.gather_strings(mine))
 
     # -- one step
-    def train_step(self, k: int, batch) -> float:
+    def plan(self, batch):
+        """Validate a batch's sparse ids and index them for this trainer's path (raises
+        ``InvalidIdsError``): nothing in it depends on the pool's state, so the loop makes the
+        plan of the next batches on the prefetch thread, off the step's critical path."""
+        if self.fused:
+            return self.model.plan(batch.sparse, fused=True, rows=self.ckpt.needs_touched)
+        return self.model.plan(batch.sparse)
+
+    def train_step(self, k: int, batch, plan=None) -> float:
         """One step. The call order of the checkpointer (checkpointing/base.py) around fbgemm's
         fused kernels: log the before-images of the rows the step will change, forward, and the
-        write-ahead barrier right before the fused backward changes them in place; commit."""
+        write-ahead barrier right before the fused backward changes them in place; commit.
+        ``plan``: ``self.plan(batch)`` if the caller made it already."""
         if self.dist is not None:
-            return self._train_step_sharded(k, batch)
+            return self._train_step_sharded(k, batch, plan)
         if not self.fused:
-            return self._train_step_reference(k, batch)
+            return self._train_step_reference(k, batch, plan)
         ck, model = self.ckpt, self.model
         ck.begin_step(k)
         try:
             with _phase("plan"):
-                plan = model.plan(batch.sparse, fused=True, rows=ck.needs_touched)
+                if plan is None:
+                    plan = self.plan(batch)
             with _phase("log_before_image"):
                 ck.log_before_image(self.sparse_opt.touched(plan))
             with _phase("forward"):
@@ -196,11 +206,12 @@ class Trainer:
         ck.persist()
         ck.mark_updated()
 
-    def _train_step_reference(self, k: int, batch) -> float:
+    def _train_step_reference(self, k: int, batch, plan) -> float:
         ck, model = self.ckpt, self.model
         with ck.step(k, final=(k == self.o.steps)):
             with _phase("plan"):
-                plan = model.plan(batch.sparse)
+                if plan is None:
+                    plan = self.plan(batch)
             with _phase("log_before_image"):
                 ck.log_before_image(self.sparse_opt.touched(plan))
             with _phase("forward"):
@@ -234,12 +245,13 @@ class Trainer:
         raise TrainingDivergedError(f"loss is {loss} at step {k}; the step was not applied, the pool "
                                     f"stays at step {k - 1}")
 
-    def _train_step_sharded(self, k: int, batch) -> float:
+    def _train_step_sharded(self, k: int, batch, plan) -> float:
         """One step of a rank: see dlrm_cxl.distributed for the exchange."""
         ck, model, d = self.ckpt, self.model, self.dist
         local = d.local_slice(batch.labels.numel())
         with ck.step(k, final=(k == self.o.steps)):
-            plan = model.plan(batch.sparse)            # this rank's tables, the whole batch
+            if plan is None:
+                plan = self.plan(batch)                # this rank's tables, the whole batch
             ck.log_before_image(self.sparse_opt.touched(plan))
             pooled = d.pooled_to_samples(model.pooled(plan)).to(model.dense_device).requires_grad_(True)
             logits = model.forward_pooled(batch.dense[local], pooled)
@@ -282,12 +294,12 @@ class Trainer:
         gc.freeze()
         try:
             if n:
-                with Prefetcher(self.source.iter_batches(last_pos)) as batches:
+                with Prefetcher(self._planned(self.source.iter_batches(last_pos))) as batches:
                     for k in range(start + 1, o.steps + 1):
-                        batch, pos = next(batches)
+                        batch, pos, plan = next(batches)
                         self.set_batch_position(k, pos)
                         ts = time.perf_counter()
-                        losses.append(self.train_step(k, batch))
+                        losses.append(self.train_step(k, batch, plan))
                         last_pos = pos
                         if self.crash is not None:
                             self.crash.expected_step_seconds = max(time.perf_counter() - ts, 1e-3)
@@ -319,6 +331,13 @@ class Trainer:
                 "world_size": self.dist.world, "comm_seconds": self.dist.comm_seconds,
                 "coord_seconds": self.dist.coord_seconds})
         return summary
+
+    def _planned(self, batches):
+        """``(batch, position, plan)``: the plans are made on the prefetch thread, ahead of the
+        steps. A batch with invalid ids raises there, and the Prefetcher re-raises it at that
+        batch's turn, before its step begins: every step before it is done and committed."""
+        for batch, pos in batches:
+            yield batch, pos, self.plan(batch)
 
     def evaluate(self, batches: int, data: str | None = None) -> dict:
         source = eval_source(data or self.o.eval_data, self.spec, train_data=self.o.data, seed=self.o.seed,

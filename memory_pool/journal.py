@@ -109,6 +109,8 @@ SEG_RECYCLED = 1                          # flags: the bytes after the valid rec
                                           # (a recycled segment, or a mapped one sized up front)
 KEEP_FREE = 16                            # reclaimed segments kept for reuse (16 x 64 MiB at most)
 MAP_CHUNK = 8 << 20                       # mapped segments: allocated and faulted in this much at a time
+MAP_SLACK = 32 << 20                      # mapped segments are sized this much past segment_bytes: the
+                                          # transaction that crosses it fits without a new mapping
 MADV_POPULATE_WRITE = 23                  # Linux >= 5.14 (not in Python's mmap module before 3.13)
 BLOCK = 4096                              # direct writes: offsets, lengths and buffers aligned to this
 REC_MAGIC = b"DCXR"
@@ -164,7 +166,8 @@ class TxnInfo:
 @dataclass
 class _Mapping:
     """A kept shared mapping of a mapped segment; its first ``ready`` bytes are allocated and
-    faulted in."""
+    faulted in (but for records a smaller, earlier mapping of the file wrote: never stored to
+    again)."""
 
     mm: mmap.mmap
     view: np.ndarray      # the mapping's bytes (numpy: copies into it release the GIL)
@@ -550,7 +553,7 @@ class Journal:
                 # Direct: flagged too (its last block is padded with zeros after the records).
                 os.pwrite(fd, _seg_header(self.next_seq, SEG_RECYCLED if self.mapped or self.direct else 0), 0)
                 if self.mapped:
-                    os.ftruncate(fd, self.segment_bytes + (1 << 20))
+                    os.ftruncate(fd, self.segment_bytes + MAP_SLACK)
             except OSError as exc:
                 os.close(fd)
                 raise_if_full(exc, f"creating journal segment {seg.path}")
@@ -653,20 +656,25 @@ class Journal:
         seg = self._segs[-1]
         with self._lock:
             kept = self._maps.pop(st.st_ino, None)
+        allocated = 0
         if kept is not None and kept.view.size < end:
+            # Too small: mapped again, larger. What is allocated stays allocated; the records
+            # already written are never stored to again, so only what lies ahead is faulted in.
+            allocated = kept.ready
             kept = None  # (the last reference to a mapping gone: it is unmapped)
         if kept is None:
             size = st.st_size
             if size < end:
                 # Only a segment whose trailing bytes are flagged as not the log's may be longer
                 # than its records.
-                size = max(end + MAP_CHUNK, self.segment_bytes + (1 << 20)) if seg.stale_after else end
+                size = max(end + MAP_CHUNK, self.segment_bytes + MAP_SLACK) if seg.stale_after else end
                 try:
                     os.ftruncate(self._fd, size)
                 except OSError as exc:
                     raise_if_full(exc, f"growing journal segment {seg.path}")
             m = mmap.mmap(self._fd, size)
             kept = _Mapping(m, np.frombuffer(m, dtype=np.uint8))
+            kept.ready = allocated
         if kept.ready < end:
             lo = kept.ready & ~(mmap.PAGESIZE - 1)
             hi = min(kept.view.size, max(end, kept.ready + MAP_CHUNK))

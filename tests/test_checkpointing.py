@@ -33,7 +33,7 @@ from helpers import flip
 from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError
 from memory_pool.errors import RecoveryError
 from memory_pool.journal import Journal, RecordType
-from memory_pool.records import Fill, materialize
+from memory_pool.records import Fill, decode_row_set, materialize
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("dlrm_cxl_torture", REPO / "tools" / "torture.py")
@@ -615,6 +615,75 @@ def test_an_inline_checkpointer_makes_each_step_durable_before_commit_returns(tm
     assert recover(tmp_pool_dir).committed_step == 2
     with MemoryPool.open(tmp_pool_dir) as again:
         assert torch.equal(again.table("t").view(), expected)
+
+
+def _slow_writer_gathers(pool, seconds: float) -> None:
+    """Make every gather the journal writer thread does slow (the race windows certain)."""
+    gather = pool.gather_row_groups
+
+    def slow(pairs, buffers=None):
+        if threading.current_thread().name.startswith("journal-writer"):
+            time.sleep(seconds)
+        return gather(pairs, buffers=buffers)
+
+    pool.gather_row_groups = slow
+
+
+def test_after_images_gathered_off_thread_are_the_committed_ones_even_when_rows_change_at_once(tmp_pool_dir):
+    """On a journaled tier ``commit(k)`` hands the rows to the writer thread, which gathers their
+    after-images while step k+1 computes; a fused backward changes rows in place right after
+    ``persist()`` of step k+1, which must wait until they are gathered. A slow gather makes the
+    race certain: without the wait, step k's ROWS record would hold step k+1's values."""
+    pool, t, s = _pool_with_table(tmp_pool_dir, "power-sim")
+    ck = UndoLogCheckpointer(pool, Dense())
+    ck.checkpoint_now(0)
+    _slow_writer_gathers(pool, 0.3)
+    rows = torch.tensor([3, 4, 17])
+    after = {}
+    for k in (1, 2, 3):
+        with ck.step(k):
+            ck.log_before_image([(t, rows)])
+            ck.persist()
+            t.write(rows, t.read(rows) + 1.0)  # in place, as fbgemm's fused backward does
+            ck.mark_updated()
+            after[k] = t.read(rows).clone()
+    ck.close()
+    logged = {}
+    for txn in pool.journal.txns:
+        for ref in txn.records:
+            if ref.type == RecordType.ROWS:
+                [(name, ids, raw)] = decode_row_set(pool.journal.read(ref))
+                logged[txn.tag] = raw.view(torch.float32).view(len(ids), -1).clone()
+    pool.close()
+    assert sorted(logged) == [1, 2, 3]
+    for k, got in logged.items():
+        assert torch.equal(got, after[k]), (k, got - after[k])
+
+
+def test_before_images_gathered_off_thread_are_the_rows_before_the_update(tmp_pool_dir):
+    """On a direct tier (shm) ``log_before_image`` only hands the rows over; the writer thread
+    gathers their before-images while the forward runs. ``persist()`` must wait for them, and
+    an update that fails afterwards is rolled back from them."""
+    pool, t, s = _pool_with_table(tmp_pool_dir, "shm")
+    ck = UndoLogCheckpointer(pool, Dense())
+    ck.checkpoint_now(0)
+    _slow_writer_gathers(pool, 0.3)
+    rows = torch.tensor([2, 5, 11])
+    before = t.read(rows).clone()
+    with pytest.raises(RuntimeError, match="after the update"):
+        with ck.step(1):
+            ck.log_before_image([(t, rows)])
+            ck.persist()
+            t.write(rows, t.read(rows) + 1.0)
+            ck.mark_updated()
+            raise RuntimeError("a failure after the update")
+    assert torch.equal(t.read(rows), before)
+    with ck.step(1):  # (the reference path's optimizer starts from the before-images)
+        ck.log_before_image([(t, rows)])
+        assert torch.equal(ck.before_images()["t"], before)
+        ck.persist()
+    ck.close()
+    pool.close()
 
 
 @pytest.mark.parametrize("tier", ["shm", "power-sim"])

@@ -126,7 +126,7 @@ def test_a_full_file_system_is_pool_full_not_a_crash(shm_dir, run_py):
         import json, resource, signal, sys
         from pathlib import Path
         from memory_pool import PoolFullError
-        from memory_pool.journal import Journal, RecordType
+        from memory_pool.journal import MAP_SLACK, Journal, RecordType
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, as on a full tmpfs
         out = []
         d = Path(sys.argv[1])
@@ -142,7 +142,7 @@ def test_a_full_file_system_is_pool_full_not_a_crash(shm_dir, run_py):
         j.end(0, {})
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
         try:
-            j.append(RecordType.DENSE, 1, [b"y" * (2 << 20)])  # larger than the segment: grows
+            j.append(RecordType.DENSE, 1, [b"y" * (MAP_SLACK + (2 << 20))])  # past the segment's size: grows
         except PoolFullError as e:
             out.append(str(e))
         print(json.dumps(out))

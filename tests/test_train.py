@@ -218,6 +218,41 @@ def test_nan_loss_leaves_nothing_to_roll_back(tmp_pool_dir):
     assert digest == d1
 
 
+def test_a_batch_with_an_out_of_range_id_stops_training_at_its_step_with_every_step_before_committed(
+        tmp_pool_dir):
+    """The loop validates and plans batches on the prefetch thread, ahead of their steps; a bad
+    batch still stops training exactly at its own turn: the steps before it are done and
+    committed, nothing of it is applied, and the pool needs no recovery."""
+    from dlrm_cxl.data import Batch
+    from memory_pool import InvalidIdsError
+
+    _, d2 = train(tmp_pool_dir, 2)
+    opts = TrainOptions(pool=str(tmp_pool_dir), steps=6, threads=1, progress=False)
+    tr = Trainer(opts, TINY, log=lambda s: None)
+    good = tr.source.iter_batches
+
+    def with_a_bad_third(position):
+        for i, (b, pos) in enumerate(good(position)):
+            if i == 1:  # step 4
+                kjt = b.sparse
+                values = kjt.values().clone()
+                values[0] = 10**9
+                b = Batch(b.dense, type(kjt)(keys=kjt.keys(), values=values, lengths=kjt.lengths()), b.labels)
+            yield b, pos
+
+    tr.source.iter_batches = with_a_bad_third
+    try:
+        with pytest.raises(InvalidIdsError, match="out of range"):
+            tr.run()
+        assert tr.step == 3
+    finally:
+        tr.close()
+    st, digest = _inspect(tmp_pool_dir)
+    assert (st["committed_step"], st["needs_recovery"]) == (3, False)
+    _, d3 = train(tmp_pool_dir.parent / "ref", 3)
+    assert digest == d3 != d2
+
+
 # --------------------------------------------------------------------------- config
 
 

@@ -31,6 +31,7 @@ The module also holds the harness that ``tools/bench_checkpoint.py`` reuses.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -52,7 +53,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dlrm_cxl.data import SyntheticData  # noqa: E402
+from dlrm_cxl.data import Prefetcher, SyntheticData  # noqa: E402
 from dlrm_cxl.model import PRESETS, ModelConfig, torchrec_dlrm  # noqa: E402
 from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec  # noqa: E402
 from dlrm_cxl.trainer import io_write_bytes as _io_write_bytes  # noqa: E402
@@ -151,15 +152,18 @@ class PoolVariant:
         return self.trainer.ckpt.stats
 
     def steps(self, n: int) -> tuple[float, float]:
-        """Run ``n`` steps; returns (seconds for the steps, seconds draining background work)."""
+        """Run ``n`` steps; returns (seconds for the steps, seconds draining background work).
+        As ``Trainer.run`` does, the batches' plans are made ahead on a prefetch thread."""
         tr = self.trainer
         nb = len(self.batches)
+        batches = [self.batches[(k - 1) % nb] for k in range(self.k + 1, self.k + n + 1)]
         t0 = time.perf_counter()
-        for _ in range(n):
-            k = self.k + 1
-            tr.set_batch_position(k, {"batch": k})
-            tr.train_step(k, self.batches[(k - 1) % nb])
-            self.k = k
+        with Prefetcher((b, tr.plan(b)) for b in batches) as planned:
+            for batch, plan in planned:
+                k = self.k + 1
+                tr.set_batch_position(k, {"batch": k})
+                tr.train_step(k, batch, plan)
+                self.k = k
         t1 = time.perf_counter()
         drain(tr.ckpt)
         t2 = time.perf_counter()
@@ -270,6 +274,10 @@ def interleave(variants: list, *, warmup: int, steps: int, rounds: int, batch_si
     for v in variants:
         if warmup:
             v.steps(warmup)
+    # As Trainer.run does: what is built by now lives as long as the run, out of the cyclic GC's
+    # reach (a full collection of it costs ~200 ms, in whichever window it falls).
+    gc.collect()
+    gc.freeze()
     out: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
