@@ -294,7 +294,7 @@ class Trainer:
         gc.freeze()
         try:
             if n:
-                with Prefetcher(self._planned(self.source.iter_batches(last_pos))) as batches:
+                with Prefetcher(self.plan_ahead(self.source.iter_batches(last_pos))) as batches:
                     for k in range(start + 1, o.steps + 1):
                         batch, pos, plan = next(batches)
                         self.set_batch_position(k, pos)
@@ -332,7 +332,7 @@ class Trainer:
                 "coord_seconds": self.dist.coord_seconds})
         return summary
 
-    def _planned(self, batches):
+    def plan_ahead(self, batches):
         """``(batch, position, plan)``: the plans are made on the prefetch thread, ahead of the
         steps. A batch with invalid ids raises there, and the Prefetcher re-raises it at that
         batch's turn, before its step begins: every step before it is done and committed."""

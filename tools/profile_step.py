@@ -51,18 +51,19 @@ def main(argv=None) -> int:
     tr = Trainer(TrainOptions(pool=str(pool), steps=10**9, tier=a.tier, checkpoint=a.checkpoint, kernel=a.kernel,
                               progress=False, fresh=True), PRESETS[a.preset], log=lambda s: None)
     try:
-        with Prefetcher(tr.source.iter_batches(None)) as batches:
+        # As `dlrm-cxl train` does: the plans are made on the prefetch thread (Trainer.plan_ahead).
+        with Prefetcher(tr.plan_ahead(tr.source.iter_batches(None))) as batches:
             for k in range(1, a.warmup + 1):
-                batch, pos = next(batches)
+                batch, pos, plan = next(batches)
                 tr.set_batch_position(k, pos)
-                tr.train_step(k, batch)
+                tr.train_step(k, batch, plan)
             tr.ckpt.drain()
             with profile(activities=[ProfilerActivity.CPU], with_stack=bool(os.environ.get("PROF_STACK"))) as prof:
                 t0 = time.perf_counter()
                 for k in range(a.warmup + 1, total + 1):
-                    batch, pos = next(batches)
+                    batch, pos, plan = next(batches)
                     tr.set_batch_position(k, pos)
-                    tr.train_step(k, batch)
+                    tr.train_step(k, batch, plan)
                 wall = time.perf_counter() - t0
         ev = {e.key: e for e in prof.key_averages()}
         print(f"# {a.preset} on {a.tier}, checkpoint {a.checkpoint}, kernel {a.kernel}, "
