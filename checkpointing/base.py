@@ -105,7 +105,8 @@ class Checkpointer(abc.ABC):
 
     def before_images(self) -> dict[str, torch.Tensor] | None:
         """The current step's logged rows by table name (in the order they were given), if this
-        checkpointer keeps them: an optimizer can start from them instead of gathering again."""
+        checkpointer keeps them: an optimizer can start from them instead of gathering again.
+        (May wait until a background thread has copied them.)"""
         return None
 
     def abort(self) -> None:

@@ -165,9 +165,9 @@ class TxnInfo:
 
 @dataclass
 class _Mapping:
-    """A kept shared mapping of a mapped segment; its first ``ready`` bytes are allocated and
-    faulted in (but for records a smaller, earlier mapping of the file wrote: never stored to
-    again)."""
+    """A kept shared mapping of a mapped segment; its first ``ready`` bytes are allocated (a
+    store there is never a SIGBUS on a full tmpfs) and faulted in, but for the part a smaller,
+    earlier mapping of the file had prepared (faulted in again only if stored to)."""
 
     mm: mmap.mmap
     view: np.ndarray      # the mapping's bytes (numpy: copies into it release the GIL)
