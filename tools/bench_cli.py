@@ -15,6 +15,12 @@ or DMP sharding). Variants:
 
     python tools/bench_cli.py                                   # small: shm none/undo, pmem undo, torchrec
     python tools/bench_cli.py --variants "shm none,torchrec" --rounds 5
+    git worktree add /tmp/base <rev>
+    python tools/bench_cli.py --variants "shm none,shm undo" --baseline /tmp/base   # before vs after
+
+``--baseline DIR``: every ``<tier> <checkpoint>`` variant also runs with the ``dlrm-cxl`` of
+another checkout (a worktree of an earlier commit; same interpreter), interleaved with this
+one's, and is reported as ``base <tier> <checkpoint>``: a before/after measured side by side.
 """
 
 from __future__ import annotations
@@ -67,16 +73,18 @@ def torchrec_worker(preset: str, steps: int, threads: int | None) -> None:
     print(json.dumps({"samples_per_s": steps * cfg.batch_size / dt}))
 
 
-def run_cli(preset: str, tier: str, checkpoint: str, steps: int, work: Path, threads: int | None) -> dict:
+def run_cli(preset: str, tier: str, checkpoint: str, steps: int, work: Path, threads: int | None,
+            root: Path = _ROOT) -> dict:
     pool = work / f"pool-{tier}-{checkpoint}"
     cmd = [sys.executable, "-m", "dlrm_cxl", "train", "--pool", str(pool), "--preset", preset, "--tier", tier,
            "--checkpoint", checkpoint, "--steps", str(steps), "--fresh", "--json", "--no-progress"]
     if threads:
         cmd += ["--threads", str(threads)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=_ROOT)
+    # (python -m runs the package of the working directory: this checkout's, or the baseline's)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-    subprocess.run([sys.executable, "-m", "dlrm_cxl", "destroy", "--pool", str(pool)], capture_output=True, cwd=_ROOT)
+    subprocess.run([sys.executable, "-m", "dlrm_cxl", "destroy", "--pool", str(pool)], capture_output=True, cwd=root)
     return json.loads(p.stdout)
 
 
@@ -89,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="shm none,shm undo,pmem undo,torchrec",
                    help="comma-separated: '<tier> <none|undo>' or 'torchrec'")
     p.add_argument("--workdir", type=Path, help="where pools go (default: a new directory under $TMPDIR)")
+    p.add_argument("--baseline", type=Path, help="another checkout: its CLI runs every pool variant too")
     p.add_argument("--torchrec-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.torchrec_worker:
@@ -97,6 +106,10 @@ def main(argv=None) -> int:
     work = a.workdir or Path(tempfile.mkdtemp(prefix="dlrm-bench-cli-"))
     work.mkdir(parents=True, exist_ok=True)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if a.baseline is not None:
+        if not (a.baseline / "dlrm_cxl" / "__main__.py").is_file():
+            raise SystemExit(f"--baseline {a.baseline}: not a checkout of this project")
+        variants += ["base " + v for v in variants if v != "torchrec"]
     print(f"$ {' '.join([sys.executable, *sys.argv])}")
     print(f"# {os.cpu_count()} cpus, load avg {' '.join(f'{x:.2f}' for x in os.getloadavg())}; preset {a.preset}, "
           f"{a.steps} steps per run, {a.rounds} rounds, workdir {work}")
@@ -114,18 +127,19 @@ def main(argv=None) -> int:
                     raise RuntimeError(out.stderr[-2000:])
                 res[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
             else:
-                tier, ck = v.split()
-                res[v].append(run_cli(a.preset, tier, ck, a.steps, work, a.threads))
+                *base, tier, ck = v.split()
+                res[v].append(run_cli(a.preset, tier, ck, a.steps, work, a.threads,
+                                      a.baseline.resolve() if base else _ROOT))
             line.append(f"{v} {res[v][-1]['samples_per_s']:,.0f}")
         print(f"  round {r + 1}/{a.rounds}: " + " | ".join(line), flush=True)
     ref = statistics.median(x["samples_per_s"] for x in res["torchrec"]) if "torchrec" in res else None
     base = {}
-    print(f"\n{'variant':<14}{'samples/s':>11}{'vs torchrec':>13}{'vs none':>9}{'durable MB/step':>17}"
+    print(f"\n{'variant':<19}{'samples/s':>11}{'vs torchrec':>13}{'vs none':>9}{'durable MB/step':>17}"
           f"{'device MB/step':>16}{'WA':>7}{'wait ms/step':>14}")
     for v in variants:
         m = statistics.median(x["samples_per_s"] for x in res[v])
         if v.endswith(" none"):
-            base[v.split()[0]] = m
+            base[v.rsplit(" ", 1)[0]] = m  # "<tier>", or "base <tier>"
     for v in variants:
         xs = res[v]
         m = statistics.median(x["samples_per_s"] for x in xs)
@@ -136,9 +150,9 @@ def main(argv=None) -> int:
             dev = f"{ck['device_write_bytes_per_step'] / 1e6:.2f}" if ck.get("device_write_bytes_per_step") is not None else ""
             wa = f"{ck['write_amplification']:.2f}" if ck.get("write_amplification") else ""
             wait = f"{1e3 * ck['commit_wait_seconds'] / max(ck['steps'], 1):.2f}"
-        tier = v.split()[0]
+        tier = v.rsplit(" ", 1)[0]
         vs_none = f"{m / base[tier]:.3f}x" if v.endswith(" undo") and tier in base else ""
-        print(f"{v:<14}{m:>11,.0f}{(f'{m / ref:.3f}x' if ref else ''):>13}{vs_none:>9}{durable:>17}{dev:>16}{wa:>7}{wait:>14}")
+        print(f"{v:<19}{m:>11,.0f}{(f'{m / ref:.3f}x' if ref else ''):>13}{vs_none:>9}{durable:>17}{dev:>16}{wa:>7}{wait:>14}")
     return 0
 
 
