@@ -108,7 +108,6 @@ class UndoLogCheckpointer(Checkpointer):
         self._packer = DensePacker()
         self._read = threading.Event()   # the writer has copied what the newest commit reads in place
         self._read.set()
-        self._reading: Future | None = None      # the job that reads it
         self._writer = _Inline() if inline else ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
         self._inflight: Future | None = None    # the newest recovery point handed over
         self._last_job: Future | None = None    # the newest transaction part handed over
@@ -280,8 +279,6 @@ class UndoLogCheckpointer(Checkpointer):
             self._read.clear()
         fut = self._writer.submit(self._write_txn, step, rows, dense)
         self._last_job = fut
-        if rows is not None or dense is not None:
-            self._reading = fut
         if dense is not None:
             self._inflight = fut
         if wait:
@@ -358,7 +355,7 @@ class UndoLogCheckpointer(Checkpointer):
         """The newest commit's after-images and dense state are read in place by the writer
         thread: wait until they have been copied before anything changes them. The wait is a
         step's compute long, so it is almost never felt (counted as commit wait)."""
-        job = self._reading
+        job = self._last_job  # (the event is cleared only for a job that reads in place)
         if job is None or self._read.is_set():
             return
         t0 = time.perf_counter()

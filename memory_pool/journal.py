@@ -673,8 +673,7 @@ class Journal:
                 except OSError as exc:
                     raise_if_full(exc, f"growing journal segment {seg.path}")
             m = mmap.mmap(self._fd, size)
-            kept = _Mapping(m, np.frombuffer(m, dtype=np.uint8))
-            kept.ready = allocated
+            kept = _Mapping(m, np.frombuffer(m, dtype=np.uint8), allocated)
         if kept.ready < end:
             lo = kept.ready & ~(mmap.PAGESIZE - 1)
             hi = min(kept.view.size, max(end, kept.ready + MAP_CHUNK))

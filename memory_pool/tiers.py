@@ -244,11 +244,12 @@ class FileRegion(Region):
         if ids.numel() == 0:
             return 0
         rb = self.row_bytes
-        breaks = (torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1).tolist()
-        if ids.numel() * rb < (len(breaks) + 1) * _LONG_RUN:
+        is_break = ids[1:] != ids[:-1] + 1
+        if ids.numel() * rb < (int(is_break.sum()) + 1) * _LONG_RUN:
             with self.home() as home:
                 home.index_copy_(0, ids, raw)
             return ids.numel() * rb
+        breaks = (torch.nonzero(is_break).flatten() + 1).tolist()  # (a list only for the few long runs)
         data = raw.contiguous().numpy()
         starts = [0, *breaks]
         ends = [*breaks, ids.numel()]
