@@ -261,10 +261,11 @@ def _cmd_train(args) -> int:
               f"{ck['device_write_bytes_per_step'] / 1e6:.2f} MB written to the device"
               + (f" (write amplification {wa:.2f}x)" if wa else ""))
     ps = d.get("pool_stats") or {}
-    if ps.get("compactions") and ps.get("bytes_written_back") and summary.steps_run:
-        # On a journaled tier, compaction is the checkpointer's largest cost after the journal
+    if (ps.get("compactions") or ps.get("applies")) and ps.get("bytes_written_back") and summary.steps_run:
+        # On a journaled tier, the write-back is the checkpointer's largest cost after the journal
         # itself: on its own thread, but taken from the step's cores.
-        print(f"compaction: {ps['compactions']} in the background, {ps['compact_cpu_seconds']:.2f} s of CPU "
+        print(f"compaction: {ps['compactions']} in the background, {ps['applies']} write-back passes between "
+              f"them, {ps['compact_cpu_seconds']:.2f} s of CPU "
               f"({1e3 * ps['compact_cpu_seconds'] / summary.steps_run:.2f} ms/step amortised); "
               f"{ps['bytes_written_back'] / 1e6:.1f} MB of rows written back into the tables")
     for ev in summary.eval:

@@ -773,6 +773,32 @@ class Journal:
             if self._segs and self._segs[-1].last_seq >= 0 and not self.tail:
                 self._new_segment()
 
+    @property
+    def start_seq(self) -> int:
+        """Sequence number of the first live record (every record below it has been dropped)."""
+        with self._lock:
+            return self._segs[0].first_seq if self._segs else self.next_seq
+
+    def sealed_bytes(self, since_seq: int) -> int:
+        """Bytes of the sealed segments (all but the one being appended to) that hold records
+        at or after ``since_seq``."""
+        with self._lock:
+            return sum(s.size for s in self._segs[:-1] if s.last_seq >= since_seq)
+
+    def sealed_refs(self, since_seq: int) -> tuple[list[RecordRef], int | None]:
+        """Every record with a sequence number >= ``since_seq`` in the *sealed* segments (all
+        but the one being appended to), and the sequence number just past them; ``([], None)``
+        when no sealed segment reaches ``since_seq``. A segment is sealed only after an END, so
+        these records are all committed; and only sealed segments are read beside the writer:
+        the segment being appended to has its last block rewritten by direct writes, which must
+        not meet a mapping of it."""
+        with self._lock:
+            segs = [s for s in self._segs[:-1] if s.last_seq >= since_seq]
+        if not segs:
+            return [], None
+        refs = [r for s in segs for r in _iter_refs(s) if r.seq >= since_seq]
+        return refs, segs[-1].last_seq + 1
+
     def reclaim(self, before_seq: int, absorb: Callable[[list[RecordRef]], None] | None = None) -> int:
         """Drop segments all of whose records have a sequence number below ``before_seq`` (never
         the one being appended to). ``absorb(records)`` first writes what they hold back to

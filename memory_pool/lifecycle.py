@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .durable import atomic_write, json_crc
+from .persistence import stale_marks
 from .tiers import shm_root
 
 __all__ = ["RegionInfo", "record_owner", "find_regions", "gc", "region_bytes", "OWNER_FILE", "REGION_PREFIX"]
@@ -229,4 +230,9 @@ def gc(dry_run: bool = False, *, under: str | os.PathLike | None = None) -> list
             continue
         if dry_run or _remove_orphan(info):
             out.append(info)
+    if not dry_run:
+        # The applied marks of pools that are gone (persistence.AppliedMark: a few hundred bytes
+        # each, vouching for nothing once their pool is gone) go too, without a report.
+        for mark in stale_marks(root):
+            mark.unlink(missing_ok=True)
     return out

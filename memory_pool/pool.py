@@ -11,6 +11,8 @@ Layout of a pool directory::
     <storage_dir>/journal/   the persistence journal (rows persisted on a journaled tier, and
                         the checkpointer's records on every tier); in the same tier as the rows
     <storage_dir>/ckpt/      the checkpointer's marker files
+    /dev/shm/dlrm-cxl-applied.<pool id>.<key>   emulated pmem: how far the images' page cache
+                        is up to date (persistence.AppliedMark; lost with the page cache)
 
 Exactly one writer at a time holds ``LOCK``; read-only opens take no lock and map the files
 privately, so they never change them.
@@ -53,8 +55,8 @@ from .errors import (
 )
 from .lifecycle import record_owner
 from .arena import Arena, page_round
-from .journal import Journal
-from .persistence import Compactor, absorb_rows, persist_rows, replay_plan, replay_rows
+from .journal import Journal, RecordType
+from .persistence import AppliedMark, Compactor, absorb_rows, persist_rows, replay_plan, replay_rows
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
@@ -74,6 +76,21 @@ def _resolve_tier(tier: str, path: Path) -> str:
     if tier not in TIERS:
         raise InvalidConfigError(f"tier must be one of {TIERS + ('auto',)}, got {tier!r}")
     return tier
+
+
+def _segment_bytes() -> int:
+    """Journal segment size: 64 MiB, or ``DLRM_CXL_SEGMENT_MB`` (tests and crash torture: small
+    segments are sealed, written back and dropped within a few steps)."""
+    env = os.environ.get("DLRM_CXL_SEGMENT_MB")
+    if env:
+        try:
+            mb = float(env)
+        except ValueError:
+            mb = -1.0
+        if not mb > 0:
+            raise InvalidConfigError(f"DLRM_CXL_SEGMENT_MB must be a number of MiB > 0, got {env!r}")
+        return max(4096, int(mb * (1 << 20)))
+    return 64 << 20
 
 
 def _check_libpmem_request(tier: str, use_libpmem: bool | None) -> None:
@@ -119,7 +136,7 @@ class MemoryPool:
             # copied into a mapping of the segment instead of written (see "Mapped segments").
             in_ram = self.tier in ("shm", "dram")
             self.journal = Journal(self.storage_dir / "journal", sync=not in_ram, mapped=in_ram,
-                                   direct=not in_ram, read_only=read_only)
+                                   direct=not in_ram, read_only=read_only, segment_bytes=_segment_bytes())
             if self.journaled and not read_only and all(r.tag < 0 for r in self.journal.tail) and (
                     self.journal.tail or self.journal.torn_bytes):
                 # An unfinished transaction of persisted rows (or a torn record): never vouched
@@ -130,8 +147,17 @@ class MemoryPool:
             # The committed rows of the journal go into this process's private working copy:
             # memory copies, no system call per row (the image is brought up to date later, by
             # compaction; the journal keeps them until then, so this is idempotent). Not marked
-            # dirty: they are durable already.
-            replay = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path) \
+            # dirty: they are durable already. Rows that the images' page cache already holds
+            # (below the applied mark: a crash of the trainer, not of the machine) are skipped.
+            self._mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / "journal"] + [
+                self.storage_dir / "tables" / f"{t['name']}.bin" for t in self._header["tables"]], self.path) \
+                if self.journaled and self.tier == "pmem" else None
+            since = (self._mark.read() if self._mark is not None else None) or 0
+            # Every ROWS record below this is in the images' page cache (a compaction, or an
+            # apply, wrote it there); those above are only in the journal (and this process).
+            self._applied = max(since, self.journal.start_seq)
+            self._unsynced: set[str] = set()   # tables written back since their last fdatasync
+            replay = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since) \
                 if self.journaled else {}
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
@@ -165,16 +191,73 @@ class MemoryPool:
         if before_seq is None:
             self.journal.rotate()
         seq = self.journal.next_seq if before_seq is None else before_seq
-        absorb = (lambda refs: absorb_rows(self.journal, self._tables, refs, self.stats)) if self.journaled else None
+
+        def absorb(refs):
+            # Most segments were written back already, one by one as they were sealed (apply):
+            # what is left of them is only made durable here.
+            self._write_back(refs)
+            self._sync_images()
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
-            self.stats.bytes_compacted += self.journal.reclaim(seq, absorb)
+            self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self.journaled else None)
+            if self.journaled and self.journal.start_seq > self._applied:
+                self._applied = self.journal.start_seq
+                self._vouch()
             self.stats.compactions += 1
             self.stats.compact_seconds += time.perf_counter() - t0
             self.stats.compact_cpu_seconds += time.thread_time() - c0
 
         return self._compactor.run(run, wait=wait)
+
+    def apply(self, *, min_bytes: int = 1, wait: bool = False) -> Future | None:
+        """Write the rows of the sealed journal segments not yet written back into the table
+        images, unsynced (their page cache), and move the applied mark after them: after a crash
+        of the trainer, opening the pool replays only what follows (see :class:`AppliedMark`).
+        A compaction later only makes them durable and drops the segments. Nothing to do until
+        such segments hold ``min_bytes``. One job at a time on the compactor's thread (None:
+        one is running, or there is nothing to do); journaled tiers only. The checkpointer
+        calls this after every commit (cheap when there is nothing to do)."""
+        self._check_writable()
+        if not self.journaled or self.journal.sealed_bytes(self._applied) < max(1, min_bytes):
+            return None
+
+        def run():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            refs, upto = self.journal.sealed_refs(self._applied)
+            if upto is None:
+                return
+            self._write_back(refs, coalesce=False)
+            self._applied = upto
+            self._vouch()
+            self.stats.applies += 1
+            self.stats.compact_seconds += time.perf_counter() - t0
+            self.stats.compact_cpu_seconds += time.thread_time() - c0
+
+        return self._compactor.run(run, wait=wait)
+
+    # (compactor thread only, or inline while none runs: _applied and _unsynced are its state)
+    def _write_back(self, refs, *, coalesce: bool = True) -> None:
+        """Write the ROWS records of ``refs`` that are not written back yet into the images."""
+        todo = [r for r in refs if r.type == RecordType.ROWS and r.seq >= self._applied]
+        if todo:
+            self._unsynced |= absorb_rows(self.journal, self._tables, todo, self.stats, coalesce=coalesce)
+
+    def _sync_images(self) -> None:
+        try:
+            for name in sorted(self._unsynced):
+                self._tables[name]._region.sync()
+        except BaseException:
+            # A failed fdatasync (EIO) may leave pages clean that never reached the disk: the
+            # page cache no longer vouches for anything.
+            if self._mark is not None:
+                self._mark.remove()
+            raise
+        self._unsynced.clear()
+
+    def _vouch(self) -> None:
+        if self._mark is not None:
+            self._mark.write(self._applied)
 
     def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
         """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair (views of
@@ -382,7 +465,7 @@ class MemoryPool:
                 r = self._tables[name]._region
                 jobs.append(ex.submit(replay_rows, r.tensor.view(torch.uint8).view(r.rows, r.row_bytes), plan[name]))
             for job in jobs:
-                job.result()
+                self.stats.rows_replayed += job.result()
 
     def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
         tier = self.tier
@@ -642,6 +725,8 @@ def destroy_pool(path) -> None:
             storage = Path(header.get("storage_dir", path))
             if header.get("tier") == "shm" and storage.name == f"dlrm-cxl-{header.get('pool_id')}":
                 shutil.rmtree(storage, ignore_errors=True)
+            if header.get("pool_id"):
+                AppliedMark(header["pool_id"], list).remove()
         finally:
             os.close(fd)
     shutil.rmtree(path, ignore_errors=True)

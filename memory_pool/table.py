@@ -61,7 +61,9 @@ class PoolStats:
     bytes_written_back: int = 0     # rows written from the journal into the table images
     bytes_compacted: int = 0        # journal bytes dropped after write-back
     compactions: int = 0
-    compact_seconds: float = 0.0    # wall time of the compactions (on their background thread)
+    applies: int = 0                # write-back passes of sealed journal segments between compactions (unsynced)
+    rows_replayed: int = 0          # journal rows written into the working copy when the pool was opened
+    compact_seconds: float = 0.0    # wall time of the compactions and applies (on their background thread)
     compact_cpu_seconds: float = 0.0  # CPU of the compactor's thread (not torch's worker threads)
 
     def as_dict(self) -> dict:

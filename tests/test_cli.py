@@ -152,9 +152,10 @@ def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
     pool = tmp_path / "pool"
     code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 12)
     assert code == 0, err
-    m = re.search(r"^compaction: (\d+) in the background, ([\d.]+) s of CPU \(([\d.]+) ms/step amortised\); "
+    m = re.search(r"^compaction: (\d+) in the background, (\d+) write-back passes between them, "
+                  r"([\d.]+) s of CPU \(([\d.]+) ms/step amortised\); "
                   r"([\d.]+) MB of rows written back into the tables$", out, re.M)
-    assert m and int(m.group(1)) >= 1 and float(m.group(4)) > 0, out
+    assert m and int(m.group(1)) >= 1 and float(m.group(5)) > 0, out
     code, js, _ = run_main("train", "--pool", pool, *TINY, "--steps", 14, "--json")
     assert code == 0
     stats = json.loads(js)["pool_stats"]

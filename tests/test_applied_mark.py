@@ -1,0 +1,145 @@
+"""The applied mark (memory_pool.persistence.AppliedMark): sealed journal segments are written
+back into the images' page cache as they are sealed, and opening a pool after a crash of the
+trainer replays only the journal after them -- but never trusts the page cache of another boot,
+of other files, or on power-sim (which emulates a power loss at every crash)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+
+import pytest
+import torch
+
+import memory_pool
+from memory_pool import MemoryPool, destroy_pool
+from memory_pool import persistence
+from memory_pool.persistence import APPLIED_PREFIX
+from memory_pool.tiers import shm_root
+
+from test_pool import all_rows, new_pool
+
+ROWS, DIM, PER_TXN = 4096, 64, 16   # a transaction of 16 rows (~4.5 KB) fills a 4 KiB segment
+SMALL_SEGMENTS = ("DLRM_CXL_SEGMENT_MB", str(4096 / (1 << 20)))
+
+
+def marks_of(pool_dir) -> list:
+    with MemoryPool.open(pool_dir, read_only=True) as pool:
+        pool_id = pool.pool_id
+    return sorted(shm_root().glob(f"{APPLIED_PREFIX}{pool_id}.*"))
+
+
+def persist_txns(pool, values, first_row=0) -> torch.Tensor:
+    """One transaction (persist) per value, each of PER_TXN fresh rows. Returns their ids."""
+    t = pool.table("t")
+    ids = []
+    for i, v in enumerate(values):
+        rows = torch.arange(first_row + i * PER_TXN, first_row + (i + 1) * PER_TXN)
+        t.write(rows, torch.full((PER_TXN, DIM), float(v)))
+        pool.persist()
+        ids.append(rows)
+    return torch.cat(ids)
+
+
+def image_rows(pool_dir, ids) -> torch.Tensor:
+    """Rows of table "t" as its image file holds them (through the page cache)."""
+    raw = (pool_dir / "tables" / "t.bin").read_bytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).view(ROWS, DIM)[ids]
+
+
+def test_after_a_trainer_crash_opening_replays_only_what_follows_the_applied_mark(tmp_pool_dir, run_py):
+    pool, _, ref = new_pool(tmp_pool_dir, "pmem", rows=ROWS, dim=DIM)
+    pool.close()
+    proc = run_py(f"""
+        import os, signal, sys, torch
+        from memory_pool import MemoryPool
+        from test_applied_mark import persist_txns
+        pool = MemoryPool.open(sys.argv[1])
+        persist_txns(pool, [1, 2, 3, 4, 5, 6])            # six sealed segments...
+        pool.apply(wait=True)                             # ...written back, and the mark after them
+        persist_txns(pool, [9], first_row=200)            # after the mark
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, tmp_pool_dir, env={SMALL_SEGMENTS[0]: SMALL_SEGMENTS[1], "PYTHONPATH": "tests"}, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    applied, after = torch.arange(6 * PER_TXN), torch.arange(200, 200 + PER_TXN)
+    for i in range(6):
+        ref[i * PER_TXN:(i + 1) * PER_TXN] = float(i + 1)
+    ref[after] = 9.0
+    # The images' page cache holds the applied rows (unsynced), not the ones after the mark.
+    assert torch.equal(image_rows(tmp_pool_dir, applied), ref[applied])
+    assert not torch.equal(image_rows(tmp_pool_dir, after), ref[after])
+    assert marks_of(tmp_pool_dir)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert pool.stats.rows_replayed == PER_TXN    # not 7 * PER_TXN
+        assert torch.equal(all_rows(pool.table("t")), ref)
+
+
+def test_a_copy_of_the_pool_does_not_trust_the_original_applied_mark(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    pool, _, ref = new_pool(a, "pmem", rows=ROWS, dim=DIM)
+    pool.close()
+    monkeypatch.setenv(*SMALL_SEGMENTS)
+    with MemoryPool.open(a) as pool:
+        ids = persist_txns(pool, [1, 2, 3, 4])
+    ref[ids] = torch.repeat_interleave(torch.tensor([1.0, 2, 3, 4]), PER_TXN)[:, None].expand(-1, DIM)
+    shutil.copytree(a, b)  # its images never get the rows: only its journal holds them
+    with MemoryPool.open(a) as pool:
+        pool.apply(wait=True)
+    assert marks_of(a)
+    with MemoryPool.open(a) as pool:  # the original's page cache holds them: nothing to replay
+        assert pool.stats.rows_replayed == 0
+        assert torch.equal(all_rows(pool.table("t")), ref)
+    with MemoryPool.open(b) as pool:  # the copy (same pool id, other files) replays them all
+        assert pool.stats.rows_replayed == ids.numel()
+        assert torch.equal(all_rows(pool.table("t")), ref)
+
+
+def test_a_mark_from_another_boot_is_not_trusted(tmp_pool_dir, tmp_path, monkeypatch):
+    pool, _, ref = new_pool(tmp_pool_dir, "pmem", rows=ROWS, dim=DIM)
+    pool.close()
+    monkeypatch.setenv(*SMALL_SEGMENTS)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        ids = persist_txns(pool, [5, 6, 7])
+        pool.apply(wait=True)
+    ref[ids] = torch.repeat_interleave(torch.tensor([5.0, 6, 7]), PER_TXN)[:, None].expand(-1, DIM)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert pool.stats.rows_replayed == 0
+    boot = tmp_path / "boot_id"
+    boot.write_text("another boot\n")
+    monkeypatch.setattr(persistence, "BOOT_ID", str(boot))
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert pool.stats.rows_replayed == ids.numel()
+        assert torch.equal(all_rows(pool.table("t")), ref)
+
+
+def test_power_sim_replays_the_whole_journal_whatever_was_written_back(tmp_pool_dir, monkeypatch):
+    pool, _, ref = new_pool(tmp_pool_dir, "power-sim", rows=ROWS, dim=DIM)
+    pool.close()
+    monkeypatch.setenv(*SMALL_SEGMENTS)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        ids = persist_txns(pool, [1, 2, 3])
+        pool.apply(wait=True)
+        assert pool.stats.applies == 1 and pool.stats.bytes_written_back > 0
+    ref[ids] = torch.repeat_interleave(torch.tensor([1.0, 2, 3]), PER_TXN)[:, None].expand(-1, DIM)
+    assert not marks_of(tmp_pool_dir)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert pool.stats.rows_replayed == ids.numel()
+        assert torch.equal(all_rows(pool.table("t")), ref)
+
+
+def test_destroy_and_gc_remove_the_marks_of_pools_that_are_gone(tmp_path, monkeypatch):
+    monkeypatch.setenv(*SMALL_SEGMENTS)
+    marks = {}
+    for name in ("destroyed", "deleted by hand"):
+        pool, _, _ = new_pool(tmp_path / name, "pmem", rows=ROWS, dim=DIM)
+        persist_txns(pool, [1, 2])
+        pool.apply(wait=True)
+        pool.close()
+        marks[name] = marks_of(tmp_path / name)
+        assert marks[name]
+    destroy_pool(tmp_path / "destroyed")
+    assert not any(p.exists() for p in marks["destroyed"])
+    shutil.rmtree(tmp_path / "deleted by hand")
+    assert all(p.exists() for p in marks["deleted by hand"])
+    memory_pool.gc(under=tmp_path)
+    assert not any(p.exists() for p in marks["deleted by hand"])
