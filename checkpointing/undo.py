@@ -51,6 +51,7 @@ import torch
 from memory_pool import MemoryPool
 from memory_pool.durable import atomic_write, fsync_dir
 from memory_pool.journal import RecordType, encode_row_set, encode_rows
+from memory_pool.validation import env_mib
 
 from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan
@@ -68,9 +69,9 @@ def default_compact_bytes(pool: MemoryPool) -> int:
     of scattered rows (page-granular in the image) is amortised over many steps, small enough
     that replaying it at open stays around a second. Direct tiers hold only undo records and
     dense states (in RAM on shm): small."""
-    env = os.environ.get("DLRM_CXL_COMPACT_MB")
-    if env:
-        return int(float(env) * (1 << 20))
+    env = env_mib("DLRM_CXL_COMPACT_MB")
+    if env is not None:
+        return env
     if not pool.journaled:
         return 128 << 20
     # Measured on `small` (tools/bench_cli.py, 300 steps, 8.1 MB durable per step): compacting
@@ -94,9 +95,9 @@ def default_apply_bytes(compact_bytes: int, table_bytes: int) -> int | None:
     pages, ~0.3 s), whatever the journal holds, and passes would only cost CPU (measured on
     `small`: pmem undo 0.90x -> 0.78x of none with passes every 256 MiB). ``DLRM_CXL_APPLY_MB``
     overrides."""
-    env = os.environ.get("DLRM_CXL_APPLY_MB")
-    if env:
-        return int(float(env) * (1 << 20))
+    env = env_mib("DLRM_CXL_APPLY_MB")
+    if env is not None:
+        return env
     if table_bytes <= 2 * compact_bytes:
         return None
     return max(1, compact_bytes // 4)

@@ -39,7 +39,7 @@ from ._native import libpmem
 from .cache import RowCache
 from .header import FORMAT_VERSION, HEADER, MAGIC, header_bytes, read_header
 from .table import PoolStats, Table, TableConfig
-from .validation import is_int, json_copy, validate_ids, validate_init, validate_table_config
+from .validation import env_mib, is_int, json_copy, validate_ids, validate_init, validate_table_config
 from .errors import (
     InvalidConfigError,
     InvalidIdsError,
@@ -81,16 +81,8 @@ def _resolve_tier(tier: str, path: Path) -> str:
 def _segment_bytes() -> int:
     """Journal segment size: 64 MiB, or ``DLRM_CXL_SEGMENT_MB`` (tests and crash torture: small
     segments are sealed, written back and dropped within a few steps)."""
-    env = os.environ.get("DLRM_CXL_SEGMENT_MB")
-    if env:
-        try:
-            mb = float(env)
-        except ValueError:
-            mb = -1.0
-        if not mb > 0:
-            raise InvalidConfigError(f"DLRM_CXL_SEGMENT_MB must be a number of MiB > 0, got {env!r}")
-        return max(4096, int(mb * (1 << 20)))
-    return 64 << 20
+    env = env_mib("DLRM_CXL_SEGMENT_MB")
+    return 64 << 20 if env is None else max(4096, env)
 
 
 def _check_libpmem_request(tier: str, use_libpmem: bool | None) -> None:

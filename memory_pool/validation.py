@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import torch
@@ -13,9 +14,25 @@ from .errors import InvalidConfigError, InvalidIdsError, InvalidValuesError
 from .tiers import torch_dtype
 
 __all__ = ["is_int", "validate_table_config", "validate_ids", "validate_values", "validate_offsets",
-           "validate_init", "json_copy", "all_finite", "NAME_RE"]
+           "validate_init", "json_copy", "all_finite", "env_mib", "NAME_RE"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+def env_mib(name: str) -> int | None:
+    """The size in bytes that environment variable ``name`` gives in MiB (a number > 0, e.g.
+    ``0.25``), or None when it is not set. The knobs of the journal's sizes (tests, torture)."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = float("nan")
+    if not (mib > 0 and math.isfinite(mib)):
+        raise InvalidConfigError(f"{name} must be a number of MiB > 0, got {raw!r}",
+                                 hint=f"unset {name} for the default, or give e.g. {name}=0.25")
+    return max(1, int(mib * (1 << 20)))
 
 
 def is_int(x) -> bool:

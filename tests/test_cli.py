@@ -163,6 +163,14 @@ def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
     destroy_pool(pool)
 
 
+@pytest.mark.parametrize("knob", ["DLRM_CXL_SEGMENT_MB", "DLRM_CXL_COMPACT_MB", "DLRM_CXL_APPLY_MB"])
+@pytest.mark.parametrize("value", ["lots", "0", "-1", "nan"])
+def test_a_bad_journal_size_in_the_environment_is_a_clean_error(knob, value, tmp_path, monkeypatch):
+    monkeypatch.setenv(knob, value)
+    code, _, err = run_main("train", "--pool", tmp_path / "pool", *TINY, "--steps", 2)
+    assert_clean_error(code, err, 2, knob, repr(value))
+
+
 def test_flags_on_an_existing_pool_are_checked_against_its_own_config(trained):
     pool = trained[0]
     code, _, err = run_main("train", "--pool", pool, "--steps", 60, "--lr", 0.5)
