@@ -289,8 +289,9 @@ def stale_marks(under: Path | None = None) -> list[Path]:
             continue
         if under is not None and not (pool == under or under in pool.parents):
             continue
+        pool_id = p.name[len(APPLIED_PREFIX):].split(".")[0]
         try:
-            alive = json.loads((pool / "pool.json").read_bytes()).get("pool_id") == p.name[len(APPLIED_PREFIX):].split(".")[0]
+            alive = json.loads((pool / "pool.json").read_bytes()).get("pool_id") == pool_id
         except (OSError, ValueError, AttributeError):
             alive = False
         if not alive:

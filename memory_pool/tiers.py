@@ -226,11 +226,9 @@ class FileRegion(Region):
         if not self.nbytes:
             yield torch.empty(0, self.row_bytes, dtype=torch.uint8)
             return
-        # Kept mapped until close (the write-back's thread only uses it): sealed journal
-        # segments are written back one by one as they are sealed, and a page stays mapped
-        # writable from one to the next until the kernel writes it out -- one fault per page per
-        # write-out, not one per segment (on `kaggle`, a page is hit by ~5 of the 16 segments
-        # of a compaction).
+        # Kept mapped until the next sync (or close; only the write-back's thread uses it):
+        # between compactions the journal is written back in several passes (MemoryPool.apply),
+        # and a page that several passes hit faults once, not once per pass.
         if self._home is None:
             mm = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self._home = (mm, torch.frombuffer(mm, dtype=torch.uint8).view(self.rows, self.row_bytes))

@@ -205,6 +205,7 @@ def test_real_processes_train_inspect_and_crash(tmp_path):
     assert run_main("export", "--pool", pool, "--out", tmp_path / "x.pt")[0] == 0
     code, out, _ = run_main("recover", "--pool", pool, "--json")
     assert code == 0 and 3 <= json.loads(out)["committed_step"] < 5
+    assert re.fullmatch(r"[0-9a-f]{64}", json.loads(out)["state_digest"])
 
     # The same on shm, where step 5 changed rows in place: eval and export refuse the half-done
     # pool until it is recovered, and recovery restores the rows from the undo log.
@@ -218,10 +219,11 @@ def test_real_processes_train_inspect_and_crash(tmp_path):
     assert not (tmp_path / "y.pt").exists()
     code, _, err = run_main("eval", "--pool", shm, "--json")
     assert_clean_error(code, err, 2, "needs recovery", "dlrm-cxl recover")
-    code, out, _ = run_main("recover", "--pool", shm, "--json")
+    code, out, _ = run_main("recover", "--pool", shm, "--json", "--no-digest")  # (a big pool: seconds saved)
     assert code == 0
     rep = json.loads(out)
     assert rep["committed_step"] == 4 and rep["rolled_back_steps"] == [5] and rep["rows_restored"] > 0
+    assert rep["state_digest"] is None
     assert run_main("export", "--pool", shm, "--out", tmp_path / "y.pt")[0] == 0
 
 
