@@ -36,11 +36,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 512M, 8G)") from None
 
 
+# The names of dlrm_cxl.model.PRESETS, here so that building the parser does not import TorchRec
+# (2 s of every command's start; `recover`, `inspect` and `gc` never need it). A test keeps the two
+# equal.
+PRESET_NAMES = ("kaggle", "small", "tiny")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from checkpointing.crash import PHASES, RECOVERY_PHASES
     from memory_pool.tiers import TIERS
 
-    from .model import PRESETS
+    PRESETS = PRESET_NAMES
 
     p = argparse.ArgumentParser(prog="dlrm-cxl", description=(
         "Fault-tolerant DLRM training with embedding tables in a tiered, persistent memory pool."))

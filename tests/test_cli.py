@@ -227,6 +227,13 @@ def test_real_processes_train_inspect_and_crash(tmp_path):
     assert run_main("export", "--pool", shm, "--out", tmp_path / "y.pt")[0] == 0
 
 
+def test_the_parser_offers_exactly_the_model_presets():
+    from dlrm_cxl.cli import PRESET_NAMES
+    from dlrm_cxl.model import PRESETS
+
+    assert sorted(PRESET_NAMES) == sorted(PRESETS)
+
+
 def test_locked_pool_is_exit_5(trained):
     pool = trained[0]
     with MemoryPool.open(pool):  # this process is the writer
