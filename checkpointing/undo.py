@@ -354,9 +354,10 @@ class UndoLogCheckpointer(Checkpointer):
         if self.pool.compacting:
             return
         if self.journal.live_bytes < self.compact_bytes:
-            if self.pool.journaled and self.apply_bytes is not None:
+            if self.apply_bytes is not None and self.pool.keeps_applied_mark:
                 # Sealed segments worth apply_bytes: their rows into the images' page cache now,
-                # so that a crash of the trainer replays only what follows (a no-op otherwise).
+                # so that a crash of the trainer replays only what follows (a no-op otherwise;
+                # never on power-sim, whose every crash replays everything).
                 self.pool.apply(min_bytes=self.apply_bytes)
             return
         keep = min(self._durable_commit, self._released) if self.coordinator is not None else self._durable_commit

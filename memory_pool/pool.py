@@ -202,6 +202,13 @@ class MemoryPool:
 
         return self._compactor.run(run, wait=wait)
 
+    @property
+    def keeps_applied_mark(self) -> bool:
+        """Opening after a crash of the trainer trusts the images' page cache (emulated pmem):
+        write-back passes between compactions (:meth:`apply`) shorten its replay. Not on
+        ``power-sim``, which replays everything as after a power loss."""
+        return self._mark is not None
+
     def apply(self, *, min_bytes: int = 1, wait: bool = False) -> Future | None:
         """Write the rows of the sealed journal segments not yet written back into the table
         images, unsynced (their page cache), and move the applied mark after them: after a crash

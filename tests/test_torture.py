@@ -63,9 +63,9 @@ def test_torture_quick_reports_mid_run_rollbacks_on_every_tier():
 
 def test_torture_with_small_segments_is_bit_exact_through_write_backs_and_the_applied_mark():
     """64 KiB journal segments, each written back into the images as it is sealed, a compaction
-    every 256 KiB: the kills land between write-backs, during them and during compactions, and
-    opening after them replays only what follows the applied mark (pmem) or everything
-    (power-sim)."""
+    every 256 KiB: on pmem the kills land between write-backs, during them and during
+    compactions, and opening after them replays only what follows the applied mark; power-sim
+    (no passes, no mark) replays everything."""
     env = {"DLRM_CXL_SEGMENT_MB": "0.0625", "DLRM_CXL_APPLY_MB": "0.0625", "DLRM_CXL_COMPACT_MB": "0.25"}
     proc = _run(str(REPO / "tools" / "torture.py"), "--quick", "--tiers", "pmem,power-sim", env=env)
     s = _summaries(proc.stdout)
