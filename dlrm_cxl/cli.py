@@ -46,15 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     from checkpointing.crash import PHASES, RECOVERY_PHASES
     from memory_pool.tiers import TIERS
 
-    PRESETS = PRESET_NAMES
-
     p = argparse.ArgumentParser(prog="dlrm-cxl", description=(
         "Fault-tolerant DLRM training with embedding tables in a tiered, persistent memory pool."))
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train (or continue training) a model in a pool")
     t.add_argument("--pool", default=DEFAULT_POOL, help=f"pool directory (default {DEFAULT_POOL})")
-    t.add_argument("--preset", choices=sorted(PRESETS), help="model size for a new pool (default small)")
+    t.add_argument("--preset", choices=sorted(PRESET_NAMES), help="model size for a new pool (default small)")
     t.add_argument("--config", type=Path, help="JSON file of ModelConfig fields overriding the preset")
     t.add_argument("--data", default="synthetic", help="synthetic | FILE.tsv (Criteo) | DIR.zarr")
     t.add_argument("--eval-data", help="data for --eval-every (default: held-out synthetic, or --data)")
@@ -117,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("import", help="create a pool from a TorchRec DLRM state_dict")
     m.add_argument("--pool", required=True)
     m.add_argument("--state", required=True, type=Path, help="file written by torch.save(dlrm.state_dict())")
-    m.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    m.add_argument("--preset", choices=sorted(PRESET_NAMES), default="small")
     m.add_argument("--config", type=Path)
     m.add_argument("--tier", default="auto", choices=list(TIERS) + ["auto"])
 
@@ -134,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = dsub.add_parser("convert", help="Criteo TSV -> preprocessed, chunked, compressed zarr")
     c.add_argument("input", type=Path)
     c.add_argument("output", type=Path)
-    c.add_argument("--preset", choices=sorted(PRESETS), default="small", help="table sizes to hash into")
+    c.add_argument("--preset", choices=sorted(PRESET_NAMES), default="small", help="table sizes to hash into")
     c.add_argument("--config", type=Path)
     c.add_argument("--max-rows", type=int)
     c.add_argument("--chunk-rows", type=int, default=65536)

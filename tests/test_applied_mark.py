@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 import signal
 
-import pytest
 import torch
 
 import memory_pool
@@ -50,7 +49,7 @@ def image_rows(pool_dir, ids) -> torch.Tensor:
 def test_after_a_trainer_crash_opening_replays_only_what_follows_the_applied_mark(tmp_pool_dir, run_py):
     pool, _, ref = new_pool(tmp_pool_dir, "pmem", rows=ROWS, dim=DIM)
     pool.close()
-    proc = run_py(f"""
+    proc = run_py("""
         import os, signal, sys, torch
         from memory_pool import MemoryPool
         from test_applied_mark import persist_txns
