@@ -40,6 +40,25 @@ def persist_txns(pool, values, first_row=0) -> torch.Tensor:
     return torch.cat(ids)
 
 
+def values_of(values) -> torch.Tensor:
+    """The rows persist_txns writes for ``values``, in order."""
+    return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), PER_TXN)[:, None].expand(-1, DIM)
+
+
+def written_back_pool(path, tier, values, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool whose journal holds one transaction per value, written back by a pass (apply) and
+    then closed. Returns (the ids written, every row as the pool must hold them)."""
+    pool, _, ref = new_pool(path, tier, rows=ROWS, dim=DIM)
+    pool.close()
+    monkeypatch.setenv(*SMALL_SEGMENTS)
+    with MemoryPool.open(path) as pool:
+        ids = persist_txns(pool, values)
+        pool.apply(wait=True)
+        assert pool.stats.applies == 1 and pool.stats.bytes_written_back > 0
+    ref[ids] = values_of(values)
+    return ids, ref
+
+
 def image_rows(pool_dir, ids) -> torch.Tensor:
     """Rows of table "t" as its image file holds them (through the page cache)."""
     raw = (pool_dir / "tables" / "t.bin").read_bytes()
@@ -80,7 +99,7 @@ def test_a_copy_of_the_pool_does_not_trust_the_original_applied_mark(tmp_path, m
     monkeypatch.setenv(*SMALL_SEGMENTS)
     with MemoryPool.open(a) as pool:
         ids = persist_txns(pool, [1, 2, 3, 4])
-    ref[ids] = torch.repeat_interleave(torch.tensor([1.0, 2, 3, 4]), PER_TXN)[:, None].expand(-1, DIM)
+    ref[ids] = values_of([1, 2, 3, 4])
     shutil.copytree(a, b)  # its images never get the rows: only its journal holds them
     with MemoryPool.open(a) as pool:
         pool.apply(wait=True)
@@ -94,13 +113,7 @@ def test_a_copy_of_the_pool_does_not_trust_the_original_applied_mark(tmp_path, m
 
 
 def test_a_mark_from_another_boot_is_not_trusted(tmp_pool_dir, tmp_path, monkeypatch):
-    pool, _, ref = new_pool(tmp_pool_dir, "pmem", rows=ROWS, dim=DIM)
-    pool.close()
-    monkeypatch.setenv(*SMALL_SEGMENTS)
-    with MemoryPool.open(tmp_pool_dir) as pool:
-        ids = persist_txns(pool, [5, 6, 7])
-        pool.apply(wait=True)
-    ref[ids] = torch.repeat_interleave(torch.tensor([5.0, 6, 7]), PER_TXN)[:, None].expand(-1, DIM)
+    ids, ref = written_back_pool(tmp_pool_dir, "pmem", [5, 6, 7], monkeypatch)
     with MemoryPool.open(tmp_pool_dir) as pool:
         assert pool.stats.rows_replayed == 0
     boot = tmp_path / "boot_id"
@@ -112,14 +125,7 @@ def test_a_mark_from_another_boot_is_not_trusted(tmp_pool_dir, tmp_path, monkeyp
 
 
 def test_power_sim_replays_the_whole_journal_whatever_was_written_back(tmp_pool_dir, monkeypatch):
-    pool, _, ref = new_pool(tmp_pool_dir, "power-sim", rows=ROWS, dim=DIM)
-    pool.close()
-    monkeypatch.setenv(*SMALL_SEGMENTS)
-    with MemoryPool.open(tmp_pool_dir) as pool:
-        ids = persist_txns(pool, [1, 2, 3])
-        pool.apply(wait=True)
-        assert pool.stats.applies == 1 and pool.stats.bytes_written_back > 0
-    ref[ids] = torch.repeat_interleave(torch.tensor([1.0, 2, 3]), PER_TXN)[:, None].expand(-1, DIM)
+    ids, ref = written_back_pool(tmp_pool_dir, "power-sim", [1, 2, 3], monkeypatch)
     assert not marks_of(tmp_pool_dir)
     with MemoryPool.open(tmp_pool_dir) as pool:
         assert pool.stats.rows_replayed == ids.numel()
@@ -127,13 +133,9 @@ def test_power_sim_replays_the_whole_journal_whatever_was_written_back(tmp_pool_
 
 
 def test_destroy_and_gc_remove_the_marks_of_pools_that_are_gone(tmp_path, monkeypatch):
-    monkeypatch.setenv(*SMALL_SEGMENTS)
     marks = {}
     for name in ("destroyed", "deleted by hand"):
-        pool, _, _ = new_pool(tmp_path / name, "pmem", rows=ROWS, dim=DIM)
-        persist_txns(pool, [1, 2])
-        pool.apply(wait=True)
-        pool.close()
+        written_back_pool(tmp_path / name, "pmem", [1, 2], monkeypatch)
         marks[name] = marks_of(tmp_path / name)
         assert marks[name]
     destroy_pool(tmp_path / "destroyed")
