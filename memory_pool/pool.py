@@ -56,7 +56,8 @@ from .errors import (
 from .lifecycle import record_owner
 from .arena import Arena, page_round
 from .journal import Journal, RecordType
-from .persistence import AppliedMark, Compactor, absorb_rows, persist_rows, replay_plan, replay_rows
+from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
+                          replay_rows)
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
@@ -458,6 +459,10 @@ class MemoryPool:
         every core, the largest first (torch releases the GIL, and faults of different tables
         run in parallel). Nothing reads a row before open() returns."""
         order = sorted(plan, key=lambda name: -sum(ids.numel() for ids, _ in plan[name]))
+        for name in order:  # (the image not cached: its pages asked for all at once first)
+            r = self._tables[name]._region
+            if r.nbytes:
+                self.stats.pages_prefetched += prefetch_if_cold(r.fd, r.addr, r.row_bytes, plan[name])
         with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 8)), thread_name_prefix="journal-replay") as ex:
             jobs = []
             for name in order:

@@ -63,6 +63,7 @@ class PoolStats:
     compactions: int = 0
     applies: int = 0                # write-back passes of sealed journal segments between compactions (unsynced)
     rows_replayed: int = 0          # journal rows written into the working copy when the pool was opened
+    pages_prefetched: int = 0       # image pages asked for before that replay (0 when they were cached)
     compact_seconds: float = 0.0    # wall time of the compactions and applies (on their background thread)
     compact_cpu_seconds: float = 0.0  # CPU of the compactor's thread (not torch's worker threads)
 

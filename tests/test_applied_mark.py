@@ -1,10 +1,12 @@
 """The applied mark (memory_pool.persistence.AppliedMark): sealed journal segments are written
 back into the images' page cache as they are sealed, and opening a pool after a crash of the
 trainer replays only the journal after them -- but never trusts the page cache of another boot,
-of other files, or on power-sim (which emulates a power loss at every crash)."""
+of other files, or on power-sim (which emulates a power loss at every crash). And a replay onto an
+image that is not in the page cache asks for its pages first."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 
@@ -144,3 +146,20 @@ def test_destroy_and_gc_remove_the_marks_of_pools_that_are_gone(tmp_path, monkey
     assert all(p.exists() for p in marks["deleted by hand"])
     memory_pool.gc(under=tmp_path)
     assert not any(p.exists() for p in marks["deleted by hand"])
+
+
+def test_a_replay_onto_an_image_out_of_the_page_cache_asks_for_its_pages_first(tmp_pool_dir, monkeypatch):
+    ids, ref = written_back_pool(tmp_pool_dir, "power-sim", [3, 4, 5], monkeypatch)  # power-sim: all replayed
+    image = tmp_pool_dir / "tables" / "t.bin"
+    fd = os.open(image, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # as after a reboot: nothing cached
+    finally:
+        os.close(fd)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert pool.stats.rows_replayed == ids.numel()
+        assert pool.stats.pages_prefetched == ids.numel() * DIM * 4 // 4096
+        assert torch.equal(all_rows(pool.table("t")), ref)
+    with MemoryPool.open(tmp_pool_dir) as pool:  # cached now: a few mincore calls, no advice
+        assert pool.stats.rows_replayed == ids.numel() and pool.stats.pages_prefetched == 0
