@@ -166,8 +166,11 @@ def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample:
     brk = torch.nonzero(pages[1:] - pages[:-1] > 1).flatten() + 1
     firsts = torch.cat([pages[:1], pages[brk]]).tolist()
     lasts = torch.cat([pages[brk - 1], pages[-1:]]).tolist()
-    for a, b in zip(firsts, lasts):
-        os.posix_fadvise(fd, a * _PAGE, (b - a + 1) * _PAGE, os.POSIX_FADV_WILLNEED)
+    try:
+        for a, b in zip(firsts, lasts):
+            os.posix_fadvise(fd, a * _PAGE, (b - a + 1) * _PAGE, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        return 0  # advice only: a file system that refuses it replays as before
     return pages.numel()
 
 
