@@ -239,9 +239,9 @@ class MemoryPool:
     # (compactor thread only, or inline while none runs: _applied and _unsynced are its state)
     def _write_back(self, refs, *, coalesce: bool = True) -> None:
         """Write the ROWS records of ``refs`` that are not written back yet into the images."""
-        todo = [r for r in refs if r.type == RecordType.ROWS and r.seq >= self._applied]
-        if todo:
-            self._unsynced |= absorb_rows(self.journal, self._tables, todo, self.stats, coalesce=coalesce)
+        pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= self._applied]
+        if pending:
+            self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce)
 
     def _sync_images(self) -> None:
         try:
