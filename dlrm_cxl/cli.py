@@ -193,11 +193,13 @@ def _print_json(obj) -> None:
 
 def _cmd_train(args) -> int:
     from checkpointing import parse_crash_at
+    from memory_pool.validation import validate_journal_env
 
     from .distributed import init_distributed, is_distributed_env, job_file, rank_dir
     from .model_io import stored_config
     from .trainer import Trainer, TrainOptions
 
+    validate_journal_env()  # before a pool (and its tables) is made for nothing
     distributed = is_distributed_env()
     marker = job_file(args.pool) if distributed else Path(args.pool) / "pool.json"
     pool_exists = marker.exists() and not args.fresh

@@ -31,7 +31,9 @@ from typing import Callable
 import torch
 
 from .errors import PoolCorruptError
+from .arena import PAGE
 from .durable import json_crc_ok, json_with_crc
+from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows
 from .tiers import shm_root
 
@@ -131,7 +133,6 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
     return written
 
 
-_PAGE = 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 
@@ -141,7 +142,7 @@ def _resident(addr: int, offsets: list[int]) -> float:
     file mapping it looks the page up in the file's cache, mapped here or not)."""
     vec, hits = ctypes.c_ubyte(), 0
     for off in offsets:
-        if _libc.mincore((addr + off) & ~(_PAGE - 1), _PAGE, ctypes.byref(vec)) == 0 and vec.value & 1:
+        if _libc.mincore((addr + off) & ~(PAGE - 1), PAGE, ctypes.byref(vec)) == 0 and vec.value & 1:
             hits += 1
     return hits / max(1, len(offsets))
 
@@ -153,7 +154,7 @@ def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample:
     that they come from the disk at its full queue depth instead of one synchronous read per
     copy-on-write fault. Returns the pages asked for (0: they are cached; a few ``mincore``
     calls decide). Measured on `kaggle` (1.16 M rows on 438k pages, the image not cached):
-    opening took 10.5 s, 6.3 s with this; with the pages cached, the calls cost ~0.5 s, which is
+    opening took 10.0-11.4 s, 6.6-6.9 s with this; with the pages cached, the calls cost ~0.5 s, which is
     why they are made only for a cold image."""
     ids = torch.cat([p[0] for p in parts])
     if ids.numel() == 0:
@@ -162,13 +163,13 @@ def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample:
     if _resident(addr, (ids[::step][:sample] * row_bytes).tolist()) >= 0.5:
         return 0
     start = ids * row_bytes
-    pages = torch.unique(torch.cat([start // _PAGE, (start + row_bytes - 1) // _PAGE]))
+    pages = torch.unique(torch.cat([start // PAGE, (start + row_bytes - 1) // PAGE]))
     brk = torch.nonzero(pages[1:] - pages[:-1] > 1).flatten() + 1
     firsts = torch.cat([pages[:1], pages[brk]]).tolist()
     lasts = torch.cat([pages[brk - 1], pages[-1:]]).tolist()
     try:
         for a, b in zip(firsts, lasts):
-            os.posix_fadvise(fd, a * _PAGE, (b - a + 1) * _PAGE, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, a * PAGE, (b - a + 1) * PAGE, os.POSIX_FADV_WILLNEED)
     except OSError:
         return 0  # advice only: a file system that refuses it replays as before
     return pages.numel()
@@ -296,12 +297,11 @@ class AppliedMark:
         a crash after this write keeps those stores in the page cache). Best effort: a mark that
         cannot be written only makes the next open replay more."""
         key = self._key()
+        # Marks of another key go: they name files that are gone or were replaced.
+        self.remove(keep=None if key is None else self._path(key).name)
+        if key is None:
+            return
         try:
-            for old in shm_root().glob(f"{APPLIED_PREFIX}{self.pool_id}.*"):
-                if key is None or old.name != self._path(key).name:
-                    old.unlink(missing_ok=True)  # another key: files that are gone or were replaced
-            if key is None:
-                return
             path = self._path(key)
             tmp = path.with_name(f".{path.name}.tmp")
             # tmp + rename: a crash mid-write leaves the old mark or the new one, never half of one.
@@ -311,13 +311,15 @@ class AppliedMark:
         except OSError:
             self.remove()
 
-    def remove(self) -> None:
-        """Vouch for nothing (after an error that may have cost the page cache its stores)."""
+    def remove(self, keep: str | None = None) -> None:
+        """Vouch for nothing (after an error that may have cost the page cache its stores):
+        every mark of this pool id goes, but the one named ``keep``."""
         for old in shm_root().glob(f"{APPLIED_PREFIX}{self.pool_id}.*"):
-            try:
-                old.unlink()
-            except OSError:
-                pass
+            if old.name != keep:
+                try:
+                    old.unlink()
+                except OSError:
+                    pass  # gone already, or not ours to remove: it vouches for nothing we use
 
 
 def stale_marks(under: Path | None = None) -> list[Path]:
@@ -335,7 +337,7 @@ def stale_marks(under: Path | None = None) -> list[Path]:
             continue
         pool_id = p.name[len(APPLIED_PREFIX):].split(".")[0]
         try:
-            alive = json.loads((pool / "pool.json").read_bytes()).get("pool_id") == pool_id
+            alive = json.loads((pool / HEADER).read_bytes()).get("pool_id") == pool_id
         except (OSError, ValueError, AttributeError):
             alive = False
         if not alive:

@@ -340,6 +340,7 @@ class MemoryPool:
             if v is not None and (not is_int(v) or v < 0):
                 raise InvalidConfigError(f"{name} must be None or an int >= 0, got {v!r}")
         _check_libpmem_request(tier, use_libpmem)
+        _segment_bytes()  # a bad DLRM_CXL_SEGMENT_MB is refused before anything is made
         meta = json_copy(dict(meta or {}), "meta")
         if (path / HEADER).exists():
             raise PoolExistsError(f"{path} already holds a pool")

@@ -14,7 +14,11 @@ from .errors import InvalidConfigError, InvalidIdsError, InvalidValuesError
 from .tiers import torch_dtype
 
 __all__ = ["is_int", "validate_table_config", "validate_ids", "validate_values", "validate_offsets",
-           "validate_init", "json_copy", "all_finite", "env_mib", "NAME_RE"]
+           "validate_init", "json_copy", "all_finite", "env_mib", "validate_journal_env", "JOURNAL_ENV", "NAME_RE"]
+
+# The journal's size knobs (MiB): segment size (memory_pool.pool), compaction threshold and
+# write-back pass size (checkpointing.undo).
+JOURNAL_ENV = ("DLRM_CXL_SEGMENT_MB", "DLRM_CXL_COMPACT_MB", "DLRM_CXL_APPLY_MB")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -33,6 +37,13 @@ def env_mib(name: str) -> int | None:
         raise InvalidConfigError(f"{name} must be a number of MiB > 0, got {raw!r}",
                                  hint=f"unset {name} for the default, or give e.g. {name}=0.25")
     return max(1, int(mib * (1 << 20)))
+
+
+def validate_journal_env() -> None:
+    """Every journal size knob that is set is valid (InvalidConfigError otherwise): checked before
+    a pool is created or trained, so that a bad value costs nothing."""
+    for name in JOURNAL_ENV:
+        env_mib(name)
 
 
 def is_int(x) -> bool:

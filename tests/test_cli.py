@@ -169,6 +169,7 @@ def test_a_bad_journal_size_in_the_environment_is_a_clean_error(knob, value, tmp
     monkeypatch.setenv(knob, value)
     code, _, err = run_main("train", "--pool", tmp_path / "pool", *TINY, "--steps", 2)
     assert_clean_error(code, err, 2, knob, repr(value))
+    assert not (tmp_path / "pool").exists()  # refused before anything was made
 
 
 def test_flags_on_an_existing_pool_are_checked_against_its_own_config(trained):
