@@ -36,6 +36,7 @@ from .durable import json_crc_ok, json_with_crc
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows
 from .tiers import shm_root
+from .threads import one_intra_op_thread
 
 __all__ = ["persist_rows", "replay_plan", "replay_rows", "prefetch_if_cold", "newest_mask", "latest", "absorb_rows",
            "Compactor", "AppliedMark", "APPLIED_PREFIX", "stale_marks"]
@@ -218,7 +219,8 @@ class Compactor:
         if self.running:
             return None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="journal-compactor")
+            # (one intra-op thread: it runs beside the trainer's GEMMs, see one_intra_op_thread)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="journal-compactor", initializer=one_intra_op_thread)
         self._job = self._pool.submit(fn)
         return self._job
 

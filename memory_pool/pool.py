@@ -30,7 +30,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -61,7 +61,7 @@ from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, pre
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
-__all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION", "HEADER",
+__all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION", "HEADER",
            "read_header"]
 
 
@@ -89,6 +89,32 @@ def _segment_bytes() -> int:
 def _check_libpmem_request(tier: str, use_libpmem: bool | None) -> None:
     if use_libpmem is True and tier == "pmem" and libpmem() is None:
         raise libpmem_missing()
+
+
+class RowGather(NamedTuple):
+    """One group of :meth:`MemoryPool.row_gathers`: rows ``ids`` of ``src`` (a 2-D view of the
+    arena or of one table), which are the rows of the pairs at indexes ``idx``, in that order."""
+
+    idx: list[int]
+    src: torch.Tensor
+    ids: torch.Tensor
+    grouped: bool  # a view of the arena shared by several pairs (else one table's own view)
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.src.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.src.shape[1] * self.src.element_size()
+
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the rows into ``out`` (``[rows, src columns]``, ``src``'s dtype); returns it."""
+        return torch.index_select(self.src, 0, self.ids, out=out)
 
 
 class MemoryPool:
@@ -275,33 +301,45 @@ class MemoryPool:
 
     def gather_row_groups(self, pairs, buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
         """Copies of rows ``[(table, ids)]`` (trusted ids), grouped: ``[(indexes into pairs,
-        their rows concatenated in that order)]``. Tables of the same row size in the arena are
-        one group, gathered with ONE ``index_select`` over the arena (the undo log and the
-        journal gather ~50 (table, rows) pairs a step: one parallel kernel launch instead of 50,
-        and one journal record per group). ``buffers``: a dict the caller keeps, holding reusable
-        buffers (the results are views of them, valid until the next call with the same dict)."""
+        their rows concatenated in that order)]`` (see :meth:`row_gathers`). ``buffers``: a dict
+        the caller keeps, holding reusable buffers (the results are views of them, valid until
+        the next call with the same dict)."""
+        out: list = []
+        for g in self.row_gathers(pairs):
+            if buffers is not None and g.grouped:
+                # A caller's reusable buffer per row size: no fresh allocation (and page faults)
+                # for a few MB every step.
+                key = (g.row_bytes, g.dtype)
+                buf = buffers.get(key)
+                if buf is None or buf.shape[0] < g.rows:
+                    buf = buffers[key] = torch.empty(max(g.rows * 5 // 4, 1024), g.src.shape[1], dtype=g.dtype)
+                out.append((g.idx, g.into(buf[:g.rows])))
+            else:
+                out.append((g.idx, g.src.index_select(0, g.ids)))
+        return out
+
+    def row_gathers(self, pairs) -> list[RowGather]:
+        """How to copy rows ``[(table, ids)]`` (trusted ids), grouped: tables of the same row
+        size in the arena are one :class:`RowGather`, copied with ONE ``index_select`` over the
+        arena (the undo log and the journal gather ~50 (table, rows) pairs a step: one kernel
+        instead of 50, and one journal record per group); other tables (a row cache, an
+        unaligned offset) one each. Nothing is copied yet: a caller may copy straight to where
+        the rows go (:meth:`RowGather.into`)."""
         self._check_open()
         out: list = []
         groups: dict = {}
         for i, (t, ids) in enumerate(pairs):
             off, rb = t.arena_offset, t.config.row_bytes
             if off is None or t.cached or off % rb:
-                out.append(([i], t.view().index_select(0, ids)))
+                src = t.view()
+                out.append(RowGather([i], src, ids, False))
             else:
                 groups.setdefault((rb, t.config.dtype), []).append(i)
         for (rb, dt), idx in groups.items():
             dtype = torch_dtype(dt)
             flat = self._arena.tensor(0, self._arena.used - self._arena.used % rb, dtype).view(-1, rb // dtype.itemsize)
             ids = torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])
-            if buffers is not None:
-                # A caller's reusable buffer per row size: no fresh allocation (and page faults)
-                # for a few MB every step.
-                buf = buffers.get((rb, dt))
-                if buf is None or buf.shape[0] < ids.numel():
-                    buf = buffers[(rb, dt)] = torch.empty(max(ids.numel() * 5 // 4, 1024), flat.shape[1], dtype=dtype)
-                out.append((idx, torch.index_select(flat, 0, ids, out=buf[:ids.numel()])))
-            else:
-                out.append((idx, flat.index_select(0, ids)))
+            out.append(RowGather(idx, flat, ids, True))
         return out
 
     @property

@@ -78,16 +78,23 @@ def crc32c(parts: Iterable, crc: int = 0) -> int:
     return crc
 
 
-def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tensor) -> list:
+def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tensor | Fill,
+                   row_bytes: int | None = None) -> list:
     """Payload parts of a ROWS/UNDO record: ``tables`` is ``[(name, ids)]``, ``rows`` the rows of
-    all of them in that order (``[sum of ids, ...]``, one row size). No copy of ``rows``."""
+    all of them in that order (``[sum of ids, ...]``, one row size). No copy of ``rows``. Or
+    ``rows`` is a :class:`Fill` that writes them where the record goes (``row_bytes`` each)."""
     names = [n.encode() for n, _ in tables]
     counts = [int(ids.numel()) for _, ids in tables]
     total = sum(counts)
-    if rows.shape[0] != total:
-        raise ValueError(f"row set of {total} ids got {rows.shape[0]} rows")
-    data = rows.contiguous().view(torch.uint8).reshape(total, -1) if total else None
-    row_bytes = data.shape[1] if total else (rows.shape[-1] if rows.dim() > 1 else 1) * rows.element_size()
+    data = None
+    if isinstance(rows, Fill):
+        if row_bytes is None or rows.nbytes != total * row_bytes:
+            raise ValueError(f"row set of {total} ids of {row_bytes} bytes got a fill of {rows.nbytes} bytes")
+    else:
+        if rows.shape[0] != total:
+            raise ValueError(f"row set of {total} ids got {rows.shape[0]} rows")
+        data = rows.contiguous().view(torch.uint8).reshape(total, -1) if total else None
+        row_bytes = data.shape[1] if total else (rows.shape[-1] if rows.dim() > 1 else 1) * rows.element_size()
     fixed = ROW_SET.size + _TABLE.size * len(tables) + sum(len(n) for n in names)
     ids_at = -(-fixed // 8) * 8
     head = ROW_SET.pack(_MAGIC, len(tables), row_bytes, ids_at, total) + \
@@ -96,7 +103,8 @@ def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tenso
         return [head]
     ids = tables[0][1] if len(tables) == 1 else torch.cat([i for _, i in tables])
     ids = ids.to(torch.int64).contiguous()
-    return [head, memoryview(ids.numpy()).cast("B"), memoryview(data.reshape(-1).numpy()).cast("B")]
+    body = rows if data is None else memoryview(data.reshape(-1).numpy()).cast("B")
+    return [head, memoryview(ids.numpy()).cast("B"), body]
 
 
 def encode_rows(name: str, ids: torch.Tensor, rows: torch.Tensor) -> list:

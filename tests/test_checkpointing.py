@@ -29,8 +29,10 @@ import torch
 import checkpointing
 from checkpointing import Step, UndoLogCheckpointer, checkpoint_status, committed_state, recover, state_digest
 from checkpointing.store import DensePacker, commit_doc, is_commit, unpack_dense
+from dlrm_cxl.data import Prefetcher
 from helpers import flip
 from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError
+from memory_pool.pool import RowGather
 from memory_pool.errors import RecoveryError
 from memory_pool.journal import Journal, RecordType
 from memory_pool.records import Fill, decode_row_set, materialize
@@ -617,19 +619,22 @@ def test_an_inline_checkpointer_makes_each_step_durable_before_commit_returns(tm
         assert torch.equal(again.table("t").view(), expected)
 
 
-def _slow_writer_gathers(pool, seconds: float) -> None:
-    """Make every gather the journal writer thread does slow (the race windows certain)."""
-    gather = pool.gather_row_groups
+def _slow_writer_gathers(monkeypatch, seconds: float) -> None:
+    """Make every copy of rows the journal writer thread does slow (the race windows certain).
+    It copies them with ``RowGather.into``, straight to where a record is written or into a
+    buffer."""
+    into = RowGather.into
 
-    def slow(pairs, buffers=None):
+    def slow(self, out):
         if threading.current_thread().name.startswith("journal-writer"):
             time.sleep(seconds)
-        return gather(pairs, buffers=buffers)
+        return into(self, out)
 
-    pool.gather_row_groups = slow
+    monkeypatch.setattr(RowGather, "into", slow)
 
 
-def test_after_images_gathered_off_thread_are_the_committed_ones_even_when_rows_change_at_once(tmp_pool_dir):
+def test_after_images_gathered_off_thread_are_the_committed_ones_even_when_rows_change_at_once(tmp_pool_dir,
+                                                                                           monkeypatch):
     """On a journaled tier ``commit(k)`` hands the rows to the writer thread, which gathers their
     after-images while step k+1 computes; a fused backward changes rows in place right after
     ``persist()`` of step k+1, which must wait until they are gathered. A slow gather makes the
@@ -637,7 +642,7 @@ def test_after_images_gathered_off_thread_are_the_committed_ones_even_when_rows_
     pool, t, s = _pool_with_table(tmp_pool_dir, "power-sim")
     ck = UndoLogCheckpointer(pool, Dense())
     ck.checkpoint_now(0)
-    _slow_writer_gathers(pool, 0.3)
+    _slow_writer_gathers(monkeypatch, 0.3)
     rows = torch.tensor([3, 4, 17])
     after = {}
     for k in (1, 2, 3):
@@ -660,14 +665,46 @@ def test_after_images_gathered_off_thread_are_the_committed_ones_even_when_rows_
         assert torch.equal(got, after[k]), (k, got - after[k])
 
 
-def test_before_images_gathered_off_thread_are_the_rows_before_the_update(tmp_pool_dir):
+def test_the_background_threads_run_torch_ops_on_one_thread_each_and_leave_the_default_alone(tmp_pool_dir):
+    """The journal writer, the compactor and the prefetch thread each get one intra-op thread: a
+    thread that starts a parallel torch op gets its own OpenMP team, whose workers spin on the
+    cores the trainer's GEMMs use. The trainer's own count is left alone, and so is the default
+    a thread started afterwards adopts (which ``torch.set_num_threads`` also sets)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def in_a_new_thread(fn):
+        got = []
+        th = threading.Thread(target=lambda: got.append(fn()))
+        th.start()
+        th.join()
+        return got[0]
+
+    try:
+        pool, t, s = _pool_with_table(tmp_pool_dir, "pmem")
+        ck = UndoLogCheckpointer(pool, Dense())
+        assert ck._writer.submit(torch.get_num_threads).result() == 1
+        assert in_a_new_thread(torch.get_num_threads) == 2
+        assert pool._compactor.run(torch.get_num_threads, wait=False).result() == 1
+        assert in_a_new_thread(torch.get_num_threads) == 2
+        ck.close()
+        pool.close()
+        with Prefetcher(torch.get_num_threads() for _ in range(3)) as produced:
+            assert list(produced) == [1, 1, 1]
+        assert in_a_new_thread(torch.get_num_threads) == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_before_images_gathered_off_thread_are_the_rows_before_the_update(tmp_pool_dir, monkeypatch):
     """On a direct tier (shm) ``log_before_image`` only hands the rows over; the writer thread
     gathers their before-images while the forward runs. ``persist()`` must wait for them, and
     an update that fails afterwards is rolled back from them."""
     pool, t, s = _pool_with_table(tmp_pool_dir, "shm")
     ck = UndoLogCheckpointer(pool, Dense())
     ck.checkpoint_now(0)
-    _slow_writer_gathers(pool, 0.3)
+    _slow_writer_gathers(monkeypatch, 0.3)
     rows = torch.tensor([2, 5, 11])
     before = t.read(rows).clone()
     with pytest.raises(RuntimeError, match="after the update"):

@@ -60,7 +60,7 @@ from dlrm_cxl.trainer import io_write_bytes as _io_write_bytes  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
-__all__ = ["make_batches", "PoolVariant", "TorchRecVariant", "interleave", "median", "fmt_table",
+__all__ = ["make_batches", "PoolVariant", "TorchRecVariant", "interleave", "median", "quartiles", "paired_ratios", "fmt_table",
            "command_line", "machine_line", "drain", "io_write_bytes"]
 
 NEVER = 10 ** 12  # TrainOptions.steps: never reached, so no step is the "final" one
@@ -84,6 +84,21 @@ def machine_line() -> str:
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def quartiles(xs) -> tuple[float, float]:
+    """The first and third quartiles of ``xs`` (both the value itself for one value)."""
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def paired_ratios(xs: list[float], base: list[float]) -> list[float]:
+    """Per round, a variant's samples/s over its baseline's in the same round: the two windows
+    ran next to each other, so slow drifts of this machine's speed (other tenants) cancel out,
+    which a ratio of medians over the whole run does not do."""
+    return [x / b for x, b in zip(xs, base) if b > 0]
 
 
 def make_batches(cfg: ModelConfig, n: int, seed: int = 0, alpha: float = 1.05) -> list:
@@ -397,11 +412,12 @@ def main(argv=None) -> int:
     for v in variants:
         xs = res[v.name]
         m = median(xs)
-        base = median(res.get(v.name.split("/")[0] + "/none", [])) if "/" in v.name else float("nan")
+        paired = paired_ratios(xs, res.get(v.name.split("/")[0] + "/none", [])) if v.name.endswith("/undo") else []
         rows.append([
             v.name, f"{m:,.0f}", f"{min(xs):,.0f}-{max(xs):,.0f}", f"{1e3 * cfg.batch_size / m:.1f}",
             f"{m / ref:.2f}x" if ref else "-", f"{1e3 * median(cpu[v.name]):.0f}",
-            f"{100 * (m / base - 1):+.1f}%" if v.name.endswith("/undo") and base == base else "",
+            f"{100 * (median(paired) - 1):+.1f}% ({100 * (quartiles(paired)[0] - 1):+.1f}..{100 * (quartiles(paired)[1] - 1):+.1f})"
+            if paired else "",
             f"{1e3 * median(crit[v.name]):.1f}" if crit[v.name] else "",
             f"{1e3 * median(wait[v.name]):.1f}" if wait[v.name] else "",
             f"{1e3 * median(v.drain_seconds):.0f}" if v.drain_seconds else "",
@@ -414,7 +430,9 @@ def main(argv=None) -> int:
                      "ckpt critical ms/step", "wait ms/step", "drain ms/window", "durable MB/step",
                      "device MB/step", "WA"], rows))
     print("\nvs torchrec: ratio of medians. CPU ms/step: process user+sys CPU per step, all threads (less "
-          "sensitive to other load than wall time). undo vs none: same tier. ckpt critical: main-thread time in the "
+          "sensitive to other load than wall time). undo vs none: same tier; the median over rounds of the two windows' "
+          "ratio in one round (in brackets its quartiles: they ran side by side, so this machine's slow drifts "
+          "cancel). ckpt critical: main-thread time in the "
           "checkpointer (wait is part of it: for the undo log, and for the previous step to be durable). drain: "
           "end-of-window wait for background checkpoint work (counted in the window's time). durable: touched "
           "rows + dense state made durable; device: /proc/self/io write_bytes (page-granular, all threads, "

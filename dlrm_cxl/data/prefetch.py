@@ -6,6 +6,8 @@ import queue
 import threading
 from typing import Iterable
 
+from memory_pool.threads import one_intra_op_thread
+
 from .batch import _is_int
 
 _ITEM, _END, _ERR = 0, 1, 2
@@ -39,6 +41,7 @@ class Prefetcher:
         return False
 
     def _run(self) -> None:
+        one_intra_op_thread()  # (its sorts and checks: off the trainer's cores' OpenMP team)
         try:
             for item in self._it:
                 if not self._put((_ITEM, item)):
