@@ -54,6 +54,7 @@ from .errors import (
     TableNotFoundError,
 )
 from .lifecycle import record_owner
+from .threads import one_intra_op_thread
 from .arena import Arena, page_round
 from .journal import Journal, RecordType
 from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
@@ -502,7 +503,8 @@ class MemoryPool:
             r = self._tables[name]._region
             if r.nbytes:
                 self.stats.pages_prefetched += prefetch_if_cold(r.fd, r.addr, r.row_bytes, plan[name])
-        with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 8)), thread_name_prefix="journal-replay") as ex:
+        with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 8)), thread_name_prefix="journal-replay",
+                                initializer=one_intra_op_thread) as ex:  # (parallel over tables instead)
             jobs = []
             for name in order:
                 r = self._tables[name]._region
