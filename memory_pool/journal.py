@@ -97,7 +97,7 @@ import google_crc32c
 import numpy as np
 
 from .durable import atomic_write, fsync_dir, pwrite_all, raise_if_full
-from .records import Fill, crc32c, decode_row_set, decode_rows, encode_row_set, encode_rows, part_bytes  # noqa: F401
+from .records import Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, encode_row_set, encode_rows, part_bytes  # noqa: F401
 from .errors import NeedsRecoveryError, PoolCorruptError, PoolReadOnlyError
 
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "Fill", "encode_rows",
@@ -389,7 +389,7 @@ class Journal:
                     if h is not None and h[1] < seg.first_seq:
                         break  # the previous life of a recycled segment begins here
                     if h is not None and h[1] >= after_seq and pos + REC.size + h[3] <= len(data):
-                        if google_crc32c.value(data[pos + REC.size:pos + REC.size + h[3]]) == h[4]:
+                        if crc32c_extend(0, data[pos + REC.size:pos + REC.size + h[3]]) == h[4]:
                             out.append(RecordRef(seg.path, pos, h[0], h[1], h[2], h[3], h[4]))
                     pos = data.find(REC_MAGIC, pos + 1)
         return out
@@ -431,7 +431,7 @@ class Journal:
                     raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
                 view = memoryview(m)[ref.payload_offset:end]
                 try:
-                    if google_crc32c.value(np.frombuffer(view, dtype=np.uint8)) != ref.crc:
+                    if crc32c_extend(0, view) != ref.crc:
                         raise JournalCorruptError(
                             f"journal record {ref.seq} ({RecordType(ref.type).name}) in {ref.segment.name} fails "
                             f"its checksum (bit flip or foreign write)")
@@ -613,7 +613,7 @@ class Journal:
                     v = np.frombuffer(p, dtype=np.uint8)
                     dest[at:at + v.size] = v
                     at += v.size
-            pcrc = google_crc32c.value(dest[start:at])
+            pcrc = crc32c_extend(0, dest[start:at])  # (without the GIL: the trainer's thread runs)
             dest[off - base:off - base + REC.size] = np.frombuffer(_rec_header(rtype, seq, tag, length, pcrc),
                                                                    dtype=np.uint8)
             crcs.append(pcrc)

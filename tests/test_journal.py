@@ -8,12 +8,18 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
+import threading
+import time
 from pathlib import Path
 
+import google_crc32c
+import numpy as np
 import pytest
 import torch
 
 from helpers import flip
+from memory_pool import records
 from memory_pool import MemoryPool, NeedsRecoveryError, PoolCorruptError
 from memory_pool.journal import (REC, SEG, Journal, JournalCorruptError, RecordType, decode_row_set,
                                  decode_rows, encode_row_set, encode_rows)
@@ -668,3 +674,43 @@ def test_replay_writes_the_newest_value_of_every_row_as_applying_the_parts_in_or
     ids, raw = latest(parts, 50)
     assert torch.equal(ids, touched) and torch.equal(raw, reference[touched])
     assert newest_mask(torch.tensor([7, 7, 3, 7, 3]), 8).tolist() == [False, False, False, True, True]
+
+
+def test_large_checksums_agree_with_google_crc32c_and_let_other_threads_run_meanwhile():
+    """Payloads of 64 KiB and more are checksummed by google-crc32c's C library through ctypes,
+    which lets go of the GIL: the trainer's thread keeps dispatching ops while the journal
+    writer checksums megabytes. The values are the extension's, for any buffer type."""
+    assert records._gil_free_extend is not None  # (this environment's wheel ships the library)
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 100, records.GIL_FREE_BYTES - 1, records.GIL_FREE_BYTES, 3 << 20):
+        buf = rng.integers(0, 256, n, dtype=np.uint8)
+        want = google_crc32c.value(buf.tobytes())
+        assert records.crc32c_extend(0, buf) == want
+        assert records.crc32c_extend(0, memoryview(buf)) == want
+        assert records.crc32c_extend(0, bytearray(buf.tobytes())) == want
+        assert records.crc32c([buf[:n // 3], buf[n // 3:]]) == want
+        assert records.crc32c_extend(0, buf[::2]) == google_crc32c.value(buf[::2].tobytes())  # (not contiguous)
+
+    big = np.ones(128 << 20, dtype=np.uint8)
+    inside, done = threading.Event(), threading.Event()
+
+    def checksum():
+        inside.set()
+        records.crc32c_extend(0, big)
+        done.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # no forced hand-over: this thread runs only if the GIL is let go
+    try:
+        th = threading.Thread(target=checksum)
+        th.start()
+        inside.wait()
+        ran = 0
+        while not done.is_set():
+            ran += 1
+            if ran % 1000 == 0:
+                time.sleep(0)  # (the GIL back to the checksum's thread once it is done)
+        th.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert ran > 5000, f"the main thread ran {ran} loop iterations during a 128 MiB checksum"
