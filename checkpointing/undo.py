@@ -133,7 +133,8 @@ class UndoLogCheckpointer(Checkpointer):
         self._packer = DensePacker()
         self._read = threading.Event()   # the writer has copied what the newest commit reads in place
         self._read.set()
-        self._writer = _Inline() if inline else ThreadPoolExecutor(1, thread_name_prefix="journal-writer", initializer=one_intra_op_thread)
+        self._writer = _Inline() if inline else ThreadPoolExecutor(1, thread_name_prefix="journal-writer",
+                                                                   initializer=one_intra_op_thread)
         self._inflight: Future | None = None    # the newest recovery point handed over
         self._last_job: Future | None = None    # the newest transaction part handed over
         self._cur: Step | None = None

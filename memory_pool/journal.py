@@ -97,7 +97,8 @@ import google_crc32c
 import numpy as np
 
 from .durable import atomic_write, fsync_dir, pwrite_all, raise_if_full
-from .records import Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, encode_row_set, encode_rows, part_bytes  # noqa: F401
+from .records import (Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, encode_row_set,  # noqa: F401
+                      encode_rows, part_bytes)
 from .errors import NeedsRecoveryError, PoolCorruptError, PoolReadOnlyError
 
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "Fill", "encode_rows",

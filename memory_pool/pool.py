@@ -62,8 +62,8 @@ from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, pre
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
-__all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION", "HEADER",
-           "read_header"]
+__all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION",
+           "HEADER", "read_header"]
 
 
 
@@ -332,8 +332,7 @@ class MemoryPool:
         for i, (t, ids) in enumerate(pairs):
             off, rb = t.arena_offset, t.config.row_bytes
             if off is None or t.cached or off % rb:
-                src = t.view()
-                out.append(RowGather([i], src, ids, False))
+                out.append(RowGather([i], t.view(), ids, False))
             else:
                 groups.setdefault((rb, t.config.dtype), []).append(i)
         for (rb, dt), idx in groups.items():

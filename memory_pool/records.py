@@ -20,8 +20,10 @@ accelerated through google-crc32c).
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import warnings
+from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import google_crc32c
@@ -32,8 +34,8 @@ import torch
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-__all__ = ["ROW_SET", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows", "crc32c", "crc32c_extend",
-           "part_bytes", "materialize"]
+__all__ = ["ROW_SET", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows", "crc32c",
+           "crc32c_extend", "part_bytes", "materialize"]
 
 ROW_SET = struct.Struct("<4sIIIQ")        # magic, n tables, row bytes, ids offset, n rows
 _TABLE = struct.Struct("<HQ")             # name length, rows
@@ -87,9 +89,6 @@ def _load_gil_free_crc32c():
     every other thread's Python for 50 ms). The journal writer and the compactor checksum
     megabytes a step beside the trainer's thread, whose every op needs the GIL to start. None
     when the wheel does not ship the library separately (then the extension is used)."""
-    import ctypes
-    from pathlib import Path
-
     pkg = Path(google_crc32c.__file__).parent
     for lib in sorted(pkg.parent.glob("google_crc32c.libs/libcrc32c*.so*")) + sorted(pkg.glob("libcrc32c*.so*")):
         try:

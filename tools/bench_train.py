@@ -60,8 +60,8 @@ from dlrm_cxl.trainer import io_write_bytes as _io_write_bytes  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
-__all__ = ["make_batches", "PoolVariant", "TorchRecVariant", "interleave", "median", "quartiles", "paired_ratios", "fmt_table",
-           "command_line", "machine_line", "drain", "io_write_bytes"]
+__all__ = ["make_batches", "PoolVariant", "TorchRecVariant", "interleave", "median", "quartiles", "paired_ratios",
+           "fmt_table", "command_line", "machine_line", "drain", "io_write_bytes"]
 
 NEVER = 10 ** 12  # TrainOptions.steps: never reached, so no step is the "final" one
 
@@ -92,6 +92,11 @@ def quartiles(xs) -> tuple[float, float]:
         return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
     q = statistics.quantiles(xs, n=4)
     return q[0], q[2]
+
+
+def _pct_with_quartiles(ratios: list[float]) -> str:
+    lo, hi = quartiles(ratios)
+    return f"{100 * (median(ratios) - 1):+.1f}% ({100 * (lo - 1):+.1f}..{100 * (hi - 1):+.1f})"
 
 
 def paired_ratios(xs: list[float], base: list[float]) -> list[float]:
@@ -416,8 +421,7 @@ def main(argv=None) -> int:
         rows.append([
             v.name, f"{m:,.0f}", f"{min(xs):,.0f}-{max(xs):,.0f}", f"{1e3 * cfg.batch_size / m:.1f}",
             f"{m / ref:.2f}x" if ref else "-", f"{1e3 * median(cpu[v.name]):.0f}",
-            f"{100 * (median(paired) - 1):+.1f}% ({100 * (quartiles(paired)[0] - 1):+.1f}..{100 * (quartiles(paired)[1] - 1):+.1f})"
-            if paired else "",
+            _pct_with_quartiles(paired) if paired else "",
             f"{1e3 * median(crit[v.name]):.1f}" if crit[v.name] else "",
             f"{1e3 * median(wait[v.name]):.1f}" if wait[v.name] else "",
             f"{1e3 * median(v.drain_seconds):.0f}" if v.drain_seconds else "",
