@@ -58,11 +58,14 @@ class CheckpointStats:
     last_commit_step: int = 0
     max_commit_lag: int = 0            # most steps between a step and a durable commit at or after it
     commit_wait_seconds: float = 0.0   # part of critical: waiting for the previous step to be durable
+    writer_cpu_seconds: float = 0.0    # CPU of the journal writer's thread: off the critical path, but
+    #                                    taken from the step's cores when none is spare
 
     def as_dict(self) -> dict:
         d = asdict(self)
         n = max(self.steps, 1)
         d["critical_ms_per_step"] = 1e3 * self.critical_seconds / n
+        d["writer_cpu_ms_per_step"] = 1e3 * self.writer_cpu_seconds / n
         d["bytes_durable_per_step"] = (self.log_bytes + self.dense_bytes + self.table_bytes_persisted) / n
         return d
 

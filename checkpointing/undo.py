@@ -194,6 +194,13 @@ class UndoLogCheckpointer(Checkpointer):
         return {t.name: b for (t, _), b in zip(cur.touched, before)}
 
     def _write_undo(self, cur: Step, bufs: dict) -> int:
+        cpu0 = time.thread_time()
+        try:
+            return self._log_undo(cur, bufs)
+        finally:
+            self.stats.writer_cpu_seconds += time.thread_time() - cpu0
+
+    def _log_undo(self, cur: Step, bufs: dict) -> int:
         k = cur.k
         try:
             gathers = self.pool.row_gathers(cur.touched)
@@ -328,6 +335,13 @@ class UndoLogCheckpointer(Checkpointer):
             fut.result()
 
     def _write_txn(self, step: int, touched, dense) -> None:
+        cpu0 = time.thread_time()
+        try:
+            self._append_txn(step, touched, dense)
+        finally:
+            self.stats.writer_cpu_seconds += time.thread_time() - cpu0
+
+    def _append_txn(self, step: int, touched, dense) -> None:
         crash = self.crash if (self.crash is not None and self.crash.at(step, *COMMIT_PHASES)) else None
         j = self.journal
         rows = None

@@ -163,6 +163,29 @@ def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
     destroy_pool(pool)
 
 
+def test_train_summary_reports_the_journal_writers_cpu_and_the_bytes_per_step(tmp_path):
+    """The critical path hides the journal writer's work (its own thread); the summary says what
+    it cost, since with no core to spare it is taken from the step."""
+    pool = tmp_path / "pool"
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--tier", "pmem", "--steps", 8)
+    assert code == 0, err
+    m = re.search(r"^checkpoint undo: [\d.]+ ms/step on the critical path \([\d.]+ waiting for the previous "
+                  r"step to be durable\), ([\d.]+) ms/step of CPU on the journal writer's thread, \d+ recovery "
+                  r"points", out, re.M)
+    assert m and float(m.group(1)) > 0, out
+    code, js, _ = run_main("train", "--pool", pool, *TINY, "--steps", 12, "--json")
+    assert code == 0
+    ck = json.loads(js)["checkpoint"]
+    assert ck["writer_cpu_ms_per_step"] > 0 and ck["writer_cpu_seconds"] > 0
+    assert ck["touched_row_bytes_per_step"] > 0 and ck["dense_bytes_per_step"] > 0
+    destroy_pool(pool)
+
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--checkpoint", "none", "--steps", 4)
+    assert code == 0, err
+    assert "ms/step on the critical path" in out and "journal writer" not in out  # (no writer: nothing to say)
+    destroy_pool(pool)
+
+
 @pytest.mark.parametrize("knob", ["DLRM_CXL_SEGMENT_MB", "DLRM_CXL_COMPACT_MB", "DLRM_CXL_APPLY_MB"])
 @pytest.mark.parametrize("value", ["lots", "0", "-1", "nan"])
 def test_a_bad_journal_size_in_the_environment_is_a_clean_error(knob, value, tmp_path, monkeypatch):
