@@ -680,7 +680,6 @@ def test_large_checksums_agree_with_google_crc32c_and_let_other_threads_run_mean
     """Payloads of 64 KiB and more are checksummed by google-crc32c's C library through ctypes,
     which lets go of the GIL: the trainer's thread keeps dispatching ops while the journal
     writer checksums megabytes. The values are the extension's, for any buffer type."""
-    assert records._gil_free_extend is not None  # (this environment's wheel ships the library)
     rng = np.random.default_rng(0)
     for n in (0, 1, 100, records.GIL_FREE_BYTES - 1, records.GIL_FREE_BYTES, 3 << 20):
         buf = rng.integers(0, 256, n, dtype=np.uint8)
@@ -691,6 +690,8 @@ def test_large_checksums_agree_with_google_crc32c_and_let_other_threads_run_mean
         assert records.crc32c([buf[:n // 3], buf[n // 3:]]) == want
         assert records.crc32c_extend(0, buf[::2]) == google_crc32c.value(buf[::2].tobytes())  # (not contiguous)
 
+    if records._gil_free_extend is None:
+        pytest.skip("this google-crc32c wheel does not ship its C library apart from the extension")
     big = np.ones(128 << 20, dtype=np.uint8)
     inside, done = threading.Event(), threading.Event()
 
