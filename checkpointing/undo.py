@@ -213,17 +213,10 @@ class UndoLogCheckpointer(Checkpointer):
             else:
                 # (A direct write's buffer is reused by the next append: the before-images, kept
                 # until this step commits, are gathered into this step's own buffers first.)
-                groups = self.pool.gather_row_groups(cur.touched, buffers=bufs)
+                groups = self.pool.copy_row_gathers(gathers, buffers=bufs)
                 recs = [(RecordType.UNDO, k, encode_row_set(tables, rows))
                         for tables, rows in _row_sets(cur.touched, groups)]
-                cur.before = self.pool.rows_per_pair(cur.touched, groups)
-                cur.gathered.set_result(cur.before)
-        except BaseException as exc:
-            cur.gathered.set_exception(exc)
-            raise
-        n = sum(g.rows * (g.row_bytes + 8) for g in gathers)
-        half = len(recs) // 2
-        try:
+            half = len(recs) // 2
             if self.crash is not None and self.crash.at(k, "mid-log"):
                 for ref in self.journal.append_many(recs[:half]):
                     self._note_start(ref)
@@ -232,15 +225,15 @@ class UndoLogCheckpointer(Checkpointer):
                 recs = recs[half:]
             for ref in self.journal.append_many(recs):
                 self._note_start(ref)
-        finally:
-            if not cur.gathered.done():
-                if any(g is None for g in groups):
-                    cur.gathered.set_exception(RuntimeError(f"step {k}: the before-images were not logged"))
-                else:
-                    cur.before = self.pool.rows_per_pair(cur.touched, groups)
-                    cur.gathered.set_result(cur.before)
+        except BaseException as exc:
+            # (the trainer's thread may be waiting for the before-images: it gets the cause)
+            cur.gathered.set_exception(exc)
+            raise
+        cur.before = self.pool.rows_per_pair(cur.touched, groups)
+        cur.gathered.set_result(cur.before)
         # Write-ahead rule: durable before any row it covers changes in place.
         self.journal.flush()
+        n = _payload_bytes(gathers)
         self.stats.log_bytes += n
         return n
 
@@ -352,7 +345,7 @@ class UndoLogCheckpointer(Checkpointer):
                 # written (the mapping, or a direct write's buffer).
                 gathers = self.pool.row_gathers(touched)
                 recs = _gather_records(RecordType.ROWS, step, touched, gathers)
-                rows = sum(g.rows * (g.row_bytes + 8) for g in gathers)
+                rows = _payload_bytes(gathers)
             if dense is not None:
                 parts, n = self._packer.pack(dense)
                 recs.append((RecordType.DENSE, step, parts))
@@ -485,6 +478,11 @@ def _gather_records(rtype: int, step: int, touched: list, gathers: list, out: li
 
         recs.append((rtype, step, encode_row_set(tables, Fill(g.rows * g.row_bytes, fill), g.row_bytes)))
     return recs
+
+
+def _payload_bytes(gathers: list) -> int:
+    """The bytes of row records that matter (rows and their ids) for ``gathers``."""
+    return sum(g.rows * (g.row_bytes + 8) for g in gathers)
 
 
 def _row_sets(touched: list, groups: list) -> list:

@@ -302,14 +302,19 @@ class MemoryPool:
 
     def gather_row_groups(self, pairs, buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
         """Copies of rows ``[(table, ids)]`` (trusted ids), grouped: ``[(indexes into pairs,
-        their rows concatenated in that order)]`` (see :meth:`row_gathers`). ``buffers``: a dict
-        the caller keeps, holding reusable buffers (the results are views of them, valid until
-        the next call with the same dict)."""
+        their rows concatenated in that order)]`` (see :meth:`row_gathers`)."""
+        return self.copy_row_gathers(self.row_gathers(pairs), buffers)
+
+    @staticmethod
+    def copy_row_gathers(gathers: list[RowGather], buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
+        """The rows of :meth:`row_gathers`' groups, copied: ``[(indexes into pairs, rows)]``.
+        ``buffers``: a dict the caller keeps, holding reusable buffers (the results are views of
+        them, valid until the next call with the same dict)."""
         out: list = []
-        for g in self.row_gathers(pairs):
+        for g in gathers:
             if buffers is not None and g.grouped:
                 # A caller's reusable buffer per row size: no fresh allocation (and page faults)
-                # for a few MB every step.
+                # for a few MB every step. (Only arena groups: one per row size, so one buffer.)
                 key = (g.row_bytes, g.dtype)
                 buf = buffers.get(key)
                 if buf is None or buf.shape[0] < g.rows:

@@ -434,7 +434,8 @@ def main(argv=None) -> int:
                      "ckpt critical ms/step", "wait ms/step", "drain ms/window", "durable MB/step",
                      "device MB/step", "WA"], rows))
     print("\nvs torchrec: ratio of medians. CPU ms/step: process user+sys CPU per step, all threads (less "
-          "sensitive to other load than wall time). undo vs none: same tier; the median over rounds of the two windows' "
+          "sensitive to other load than wall time). undo vs none: same tier; the median over rounds of the "
+          "two windows' "
           "ratio in one round (in brackets its quartiles: they ran side by side, so this machine's slow drifts "
           "cancel). ckpt critical: main-thread time in the "
           "checkpointer (wait is part of it: for the undo log, and for the previous step to be durable). drain: "
