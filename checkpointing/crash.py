@@ -12,7 +12,7 @@ import os
 import random
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["PHASES", "STEP_PHASES", "COMMIT_PHASES", "RANDOM", "RECOVERY_PHASES", "CrashPlan", "parse_crash_at",
            "die"]
@@ -81,12 +81,14 @@ class CrashPlan:
     by :meth:`recovery`, a moment of recovery (a name of :data:`RECOVERY_PHASES`).
 
     Callers ask the plan, never compare its fields: :meth:`at` (is this the moment?), :meth:`hit`
-    (kill if it is), :meth:`hit_recovery`, :meth:`arm_random`."""
+    (kill if it is), :meth:`hit_recovery`, :meth:`arm_random`, and at the end of a run
+    :meth:`await_armed`."""
 
     step: int
     phase: str
     seed: int = 0
     expected_step_seconds: float = 0.05
+    _timer: threading.Timer | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES + RECOVERY_PHASES:
@@ -127,3 +129,12 @@ class CrashPlan:
         t = threading.Timer(delay, die, args=(f"step {step} random (+{delay * 1e3:.1f} ms)",))
         t.daemon = True
         t.start()
+        self._timer = t
+
+    def await_armed(self) -> None:
+        """Called when a run has done all its steps: a ``random`` kill that is armed but has not
+        fired yet is waited for, so that ``--crash-at K:random`` always kills. Without it, a run
+        whose last steps are shorter than the delay drawn (or whose timer thread is starved on a
+        busy machine) would end normally and the crash would silently not happen."""
+        if self._timer is not None:
+            self._timer.join()

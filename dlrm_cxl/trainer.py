@@ -311,6 +311,8 @@ class Trainer:
                         if o.eval_every and k % o.eval_every == 0:
                             evals.append({"step": k, **self.evaluate(o.eval_batches)})
                             self.log(f"eval at step {k}: auc {evals[-1]['auc']:.4f} logloss {evals[-1]['logloss']:.4f}")
+            if self.crash is not None:
+                self.crash.await_armed()  # `K:random` kills even when the run outlasts its timer
             self.ckpt.close()
         finally:
             if bar is not None:

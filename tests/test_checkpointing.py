@@ -16,8 +16,10 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -352,6 +354,26 @@ def test_crash_plans_are_asked_not_compared_and_know_every_phase_name():
     with pytest.raises(ValueError):
         rec.hit_recovery("mid-dense")
     assert set(RECOVERY_PHASES) == {"mid-rollback", "before-invalidate"}
+
+
+def test_a_random_crash_kills_even_when_the_run_ends_before_its_timer_fires():
+    """``--crash-at K:random`` arms a timer at step K; a run whose remaining steps take less
+    than the delay drawn (seen in CI: the timer thread starved on a busy machine) must still be
+    killed when it ends (``await_armed``), never finish as if no crash had been asked for."""
+    code = textwrap.dedent("""
+        import sys
+        from checkpointing.crash import CrashPlan
+        plan = CrashPlan(3, "random", seed=1, expected_step_seconds=0.4)
+        plan.arm_random(2)          # another step: nothing armed, nothing to wait for
+        plan.await_armed()
+        plan.arm_random(3)          # a delay of up to 0.4 s: the "run" below ends at once
+        plan.await_armed()
+        print("the run ended without the crash it was asked for")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    assert "crash injection: SIGKILL at step 3 random" in proc.stderr
+    assert "ended without" not in proc.stdout
 
 
 @pytest.mark.parametrize("tier", API_TIERS)
