@@ -72,7 +72,7 @@ def rank_dirs(path) -> list[Path]:
 def job_committed_steps(path) -> list[int | None]:
     out = []
     for d in rank_dirs(path):
-        with MemoryPool.open(d, read_only=True) as pool:
+        with MemoryPool.open(d, read_only=True, rows=False) as pool:
             out.append(checkpoint_status(pool)["committed_step"])
     return out
 

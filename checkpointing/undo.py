@@ -568,7 +568,14 @@ class NoCheckpointer(Checkpointer):
                     pool.persist_rows([(t, ids)])
             parts, d_bytes = self._packer.pack(self.dense_state(step))
             j.append(RecordType.DENSE, step, parts)
-            j.end(step, commit_doc(step))
+            txn = j.end(step, commit_doc(step))
+            if j.live_bytes >= default_compact_bytes(pool):
+                # Bounded as the undo log's: what precedes this transaction (the recovery point,
+                # kept) is written back and dropped. Without it every run of a journaled pool
+                # added its changed rows to the journal, and every open replayed them all (27 s
+                # for a `kaggle` pool after a few runs).
+                j.rotate()
+                pool.compact(txn.first_seq, wait=True)
             self.stats.table_bytes_persisted += t_bytes
             self.stats.dense_bytes += d_bytes
         try:

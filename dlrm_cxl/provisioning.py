@@ -91,7 +91,7 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
         destroy_pool(path)
         log(f"--fresh: removed the pool at {path}")
     if (path / "pool.json").exists():
-        probe = MemoryPool.open(path, read_only=True)
+        probe = MemoryPool.open(path, read_only=True, rows=False)  # (its meta and journal: no replay)
         try:
             meta = probe.meta
             status = checkpoint_status(probe)

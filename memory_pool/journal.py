@@ -108,7 +108,7 @@ SEG_MAGIC = b"DCXJSEG1"
 SEG = struct.Struct("<8sIQI36xI")         # magic, version, first seq, flags, pad, crc32c (64 bytes)
 SEG_RECYCLED = 1                          # flags: the bytes after the valid records are stale
                                           # (a recycled segment, or a mapped one sized up front)
-KEEP_FREE = 16                            # reclaimed segments kept for reuse (16 x 64 MiB at most)
+KEEP_FREE = 16                            # reclaimed segments kept for reuse (16 x (64 + 32) MiB at most)
 MAP_CHUNK = 8 << 20                       # mapped segments: allocated and faulted in this much at a time
 MAP_SLACK = 32 << 20                      # mapped segments are sized this much past segment_bytes: the
                                           # transaction that crosses it fits without a new mapping
@@ -821,7 +821,10 @@ class Journal:
         with self._lock:
             for s in done:
                 dropped += s.size
-                if len(self._free) < KEEP_FREE:
+                # (Only segments of about the usual size: one that a large transaction grew far
+                # past it -- `--checkpoint none` commits a whole run's rows at once -- would keep
+                # that much disk for reuse, 16 of them several GB.)
+                if len(self._free) < KEEP_FREE and s.path.stat().st_size <= self.segment_bytes + MAP_SLACK:
                     free = self.dir / f"free-{s.first_seq:016x}.log"
                     os.rename(s.path, free)  # kept for reuse; START already says it is dead
                     self._free.append(free)

@@ -126,8 +126,9 @@ class MemoryPool:
     """
 
     def __init__(self, path: Path, header: dict, *, read_only: bool, lock_fd: int | None,
-                 dram_cache_bytes: int | None, use_libpmem: bool | None):
+                 dram_cache_bytes: int | None, use_libpmem: bool | None, rows: bool = True):
         self.path = Path(path)
+        self._rows = rows
         self._header = header
         self.read_only = read_only
         self._lock_fd = lock_fd
@@ -178,12 +179,12 @@ class MemoryPool:
             self._applied = max(since, self.journal.start_seq)
             self._unsynced: set[str] = set()   # tables written back since their last fdatasync
             replay = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since) \
-                if self.journaled else {}
+                if self.journaled and rows else {}
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
             # rows (the budget covers each cache's map and metadata too).
             split = dram_cache_bytes is not None and total > dram_cache_bytes
-            for cfg in cfgs:
+            for cfg in cfgs if rows else ():
                 share = dram_cache_bytes * cfg.nbytes // total if split else None
                 self._tables[cfg.name] = self._attach(cfg, create=False, share=share)
             if replay:
@@ -438,8 +439,13 @@ class MemoryPool:
 
     @classmethod
     def open(cls, path, *, read_only: bool = False, dram_cache_bytes: int | None = None,
-             use_libpmem: bool | None = None, consistent: bool = False) -> "MemoryPool":
+             use_libpmem: bool | None = None, consistent: bool = False, rows: bool = True) -> "MemoryPool":
         """Open an existing pool. A writer takes the lock; ``read_only`` takes none.
+
+        ``rows=False`` (read-only): the header and the journal only, no table mapped and no row
+        replayed: what a look at the pool's status needs (``meta``, the journal's commits), at
+        the cost of a scan of the journal's headers. On `kaggle` a full open replays up to a GB
+        of rows into a working copy of several GB, for nothing.
 
         ``consistent`` (read-only): hold a shared lock while open, so that no writer can change
         the pool under this reader, and refuse (PoolLockedError) if a writer is training it now:
@@ -457,13 +463,15 @@ class MemoryPool:
             raise PoolVolatileError(
                 f"{path}: shm region {header['storage_dir']} is gone (the machine was restarted?)",
                 hint="shm pools survive a trainer crash, not a reboot; use --tier pmem for that")
+        if not rows and not read_only:
+            raise InvalidConfigError("rows=False opens a pool read-only: pass read_only=True")
         if read_only:
             lock_fd = cls._lock(path, shared=True) if consistent else None
         else:
             lock_fd = cls._lock(path)
         # On failure __init__ closes what it opened, the lock included.
         return cls(path, header, read_only=read_only, lock_fd=lock_fd,
-                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem)
+                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem, rows=rows)
 
     @staticmethod
     def _lock(path: Path, *, shared: bool = False) -> int | None:
@@ -579,6 +587,9 @@ class MemoryPool:
 
     def table(self, name: str) -> Table:
         self._check_open()
+        if not self._rows:
+            raise TableNotFoundError(f"pool {self.path} was opened with rows=False: no table is mapped",
+                                     hint="open it with rows=True (the default) to read its tables")
         try:
             return self._tables[name]
         except KeyError:
@@ -730,6 +741,12 @@ class MemoryPool:
             self.journal.close()
         for t in self._tables.values():
             t._region.close()
+            t._region.arena = None
+            t._cache = None
+        # The pool and its tables refer to each other, so they wait for the cyclic GC; the arena
+        # (the working copy: on `kaggle` several GB) must not: with no reference left here it is
+        # unmapped now, or when the last view a caller still holds is gone.
+        self._arena = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

@@ -134,6 +134,27 @@ def test_reclaim_keeps_a_bounded_number_of_free_segments(tmp_path):
     assert len(list(tmp_path.glob("seg-*.log"))) >= 1
 
 
+def test_a_segment_grown_far_past_its_size_is_deleted_not_kept_for_reuse(tmp_path):
+    # One transaction larger than a segment (`--checkpoint none` commits a whole run's rows at
+    # once) grows its segment; kept as free-*, every such segment would hold that much disk.
+    from memory_pool import journal
+
+    j = Journal(tmp_path, segment_bytes=1000)
+    commit(j, 0, per_txn=2)                                   # a segment of the usual size
+    commit(j, 1, per_txn=2)
+    big = len(j._segs)
+    commit(j, 2, per_txn=4, n=1000 + journal.MAP_SLACK // 4)  # > segment_bytes + MAP_SLACK
+    assert j._segs[big - 1].path.stat().st_size > 1000 + journal.MAP_SLACK
+    commit(j, 3)
+    grown = j._segs[big - 1].path.name
+    usual = [s.path.name for s in j._segs[:big - 1]]
+    j.reclaim(j.txns[-1].first_seq)
+    kept = sorted(p.name for p in tmp_path.glob("free-*.log"))
+    assert kept == sorted(n.replace("seg-", "free-") for n in usual), (kept, grown, usual)
+    assert not (tmp_path / grown).exists() and not (tmp_path / grown.replace("seg-", "free-")).exists()
+    j.close()
+
+
 @pytest.mark.parametrize("tier", ["shm", "power-sim"])
 def test_training_over_recycled_segments_resumes_bit_exact_after_sigkill(tmp_path, tier):
     """DLRM_CXL_COMPACT_MB=0.25: the journal is compacted and its segments recycled every few

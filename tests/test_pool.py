@@ -256,6 +256,53 @@ def test_reopen_in_same_process_reads_persisted_rows(durable_tier, tmp_pool_dir)
         assert torch.equal(all_rows(pool.table("t")), ref)
 
 
+def test_a_status_open_maps_no_table_and_replays_nothing(tmp_pool_dir):
+    # What a look at a pool's status needs (the trainer's probe before it opens the pool to
+    # train): its meta and its journal, not a working copy replayed from the journal.
+    pool, t, ref = new_pool(tmp_pool_dir, "pmem", meta={"model": "m"})
+    t.write(torch.arange(5), torch.zeros(5, DIM))
+    pool.persist()                                   # rows in the journal, not in the image
+    commits = [x.tag for x in pool.journal.txns]
+    pool.close()
+    with MemoryPool.open(tmp_pool_dir, read_only=True) as full:
+        assert full.stats.rows_replayed == 5 and full.tables() == ["t"]
+    with MemoryPool.open(tmp_pool_dir, read_only=True, rows=False) as probe:
+        assert probe.meta == {"model": "m"} and [x.tag for x in probe.journal.txns] == commits
+        assert probe.stats.rows_replayed == 0 and probe.tables() == []
+        with expect(TableNotFoundError, match="rows=False"):
+            probe.table("t")
+    with expect(InvalidConfigError, match="read_only"):
+        MemoryPool.open(tmp_pool_dir, rows=False)
+
+
+@pytest.mark.parametrize("tier", ["shm", "pmem"])
+def test_closing_a_pool_unmaps_its_working_copy_without_waiting_for_the_garbage_collector(tmp_pool_dir, tier):
+    # The pool and its tables refer to each other; the arena (on `kaggle` several GB of copied
+    # pages) must go at close, not at the next cyclic collection. A view a caller still holds
+    # keeps it mapped until the view goes.
+    import weakref
+
+    new_pool(tmp_pool_dir, tier)[0].close()
+    gc.collect()
+    gc.disable()   # (nothing may be freed by a collection in between)
+    try:
+        pool = MemoryPool.open(tmp_pool_dir)
+        arena = weakref.ref(pool._arena)
+        pool.close()
+        del pool
+        assert arena() is None
+        pool = MemoryPool.open(tmp_pool_dir)
+        arena = weakref.ref(pool._arena)
+        view = pool.table("t").view()
+        pool.close()
+        del pool
+        assert arena() is not None and torch.equal(view, ref_rows())   # still mapped, still readable
+        del view
+        assert arena() is None
+    finally:
+        gc.enable()
+
+
 def test_dram_pool_cannot_be_reopened(tmp_pool_dir):
     pool, _, _ = new_pool(tmp_pool_dir, "dram")
     pool.close()

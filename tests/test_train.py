@@ -123,6 +123,20 @@ def test_same_seed_same_digest_other_seed_other_digest(tmp_path):
     assert c != a
 
 
+def test_runs_with_checkpoint_none_keep_the_journal_to_the_newest_commit_and_resume_bit_exact(tmp_path, monkeypatch):
+    # Each clean end of `--checkpoint none` commits the run's changed rows in one transaction.
+    # Past the compaction threshold, everything before that transaction is written back and
+    # dropped (before: never, so every open replayed every run's rows).
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", "0.05")   # 50 KiB: each run's rows cross it
+    _, straight = train(tmp_path / "straight", 9, tier="pmem")
+    pool = tmp_path / "p"
+    for steps in (3, 6, 9):
+        _, digest = train(pool, steps, tier="pmem", checkpoint="none")
+        with MemoryPool.open(pool, read_only=True, rows=False) as p:
+            assert [t.tag for t in p.journal.txns] == [steps], [t.tag for t in p.journal.txns]
+    assert digest == straight
+
+
 def test_steps_is_the_total_and_rerunning_does_nothing(tmp_path):
     _, straight = train(tmp_path / "straight", 10)
     s5, d5 = train(tmp_path / "p", 5)
