@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -118,12 +119,20 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
             if c is not None and g < c:
                 target = g
                 log(f"pool {path} committed step {c}, but not every rank did: rolling back to step {g}")
-        if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
-            log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
-            rep = recover(path, digest=False, target_step=target, rank_of_job=coordinator is not None)
-            log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
-                f"{rep.rows_restored} rows, in {rep.seconds * 1e3:.1f} ms")
+        t0 = time.perf_counter()
         pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
+        try:
+            if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
+                log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
+                # On the pool this run trains on: its journal is replayed once, not once to recover
+                # and again to train.
+                rep = recover(path, pool=pool, digest=False, target_step=target, rank_of_job=coordinator is not None)
+                rep.seconds = time.perf_counter() - t0  # (opening the pool included, as recover(path) reports it)
+                log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
+                    f"{rep.rows_restored} rows, in {rep.seconds * 1e3:.1f} ms")
+        except BaseException:
+            pool.close()
+            raise
         return pool, stored, rep, False
     if model_cfg is None:
         raise ValueError("a new pool needs a model config (pass --preset)")
