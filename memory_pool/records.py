@@ -107,7 +107,7 @@ _gil_free_extend = _load_gil_free_crc32c()
 def crc32c_extend(crc: int, buf) -> int:
     """crc32c of ``buf`` (bytes, a numpy array or any buffer) continuing from ``crc``; without
     holding the GIL when it is large (see :func:`_load_gil_free_crc32c`)."""
-    if isinstance(buf, bytes):
+    if isinstance(buf, bytes) and len(buf) < GIL_FREE_BYTES:
         return google_crc32c.extend(crc, buf)
     arr = np.ascontiguousarray(buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8))
     if _gil_free_extend is not None and arr.nbytes >= GIL_FREE_BYTES:

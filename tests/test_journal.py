@@ -685,6 +685,7 @@ def test_large_checksums_agree_with_google_crc32c_and_let_other_threads_run_mean
         buf = rng.integers(0, 256, n, dtype=np.uint8)
         want = google_crc32c.value(buf.tobytes())
         assert records.crc32c_extend(0, buf) == want
+        assert records.crc32c_extend(0, buf.tobytes()) == want
         assert records.crc32c_extend(0, memoryview(buf)) == want
         assert records.crc32c_extend(0, bytearray(buf.tobytes())) == want
         assert records.crc32c([buf[:n // 3], buf[n // 3:]]) == want

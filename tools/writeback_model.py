@@ -60,15 +60,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def popularity_rank(data: SyntheticData, feature: int, rows: np.ndarray) -> np.ndarray:
-    """Rank (0: hottest) of ``rows`` of ``feature``: the inverse of SyntheticData's bijection
-    ``row = (rank * mult + salt) mod n``."""
-    n = int(data._n[feature, 0])
-    mult, salt = int(data._mult[feature, 0]), int(data._salt[feature, 0])
-    inv = pow(mult, -1, n) if n > 1 else 0
-    return ((rows.astype(object) - salt) * inv % n).astype(np.int64) if n > 1 else np.zeros_like(rows)
-
-
 def pages_of(rows: np.ndarray, row_bytes: int) -> int:
     """Distinct 4 KiB pages that rows (sorted, distinct) of ``row_bytes`` each land in."""
     if rows.size == 0:
@@ -108,7 +99,7 @@ def main(argv=None) -> int:
             rows = np.flatnonzero(touched[f])
             distinct += rows.size
             in_place += (pages_of(rows, row_bytes) + pages_of(rows, STATE_ROW_BYTES)) * PAGE
-            ranks = np.sort(popularity_rank(data, f, rows))
+            ranks = np.sort(data.popularity_rank(f, rows))
             by_freq += (pages_of(ranks, row_bytes) + pages_of(ranks, STATE_ROW_BYTES)) * PAGE
         packed = distinct * (row_bytes + STATE_ROW_BYTES)
         print(f"{w:>7} {journal / 1e9:>10.2f} {distinct:>13,} {in_place / journal:>8.2f}x {by_freq / journal:>11.2f}x "

@@ -84,6 +84,17 @@ class SyntheticData:
             self._e = 0.0
             self._top = np.log(self._n_f)
 
+    def popularity_rank(self, feature: int, rows: np.ndarray) -> np.ndarray:
+        """Rank (0: the most frequent) of ``rows`` of feature index ``feature``: the inverse of
+        the bijection that scatters ranks over rows (see the class docstring)."""
+        n = int(self._n[feature, 0])
+        rows = np.asarray(rows, dtype=np.int64)
+        if n == 1:
+            return np.zeros_like(rows)
+        inv = pow(int(self._mult[feature, 0]), -1, n)  # (P mod n is coprime to n)
+        # (Python ints: (row - salt) * inv overflows int64 for tables of millions of rows)
+        return ((rows.astype(object) - int(self._salt[feature, 0])) * inv % n).astype(np.int64)
+
     def row_effect(self, feature: int, rows: np.ndarray) -> np.ndarray:
         """The fixed "true" effect in [-1, 1] of ``rows`` of feature index ``feature``."""
         h = _mix64_np(np.asarray(rows, dtype=np.int64).astype(np.uint64) ^ self._feat_key[feature])
