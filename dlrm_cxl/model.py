@@ -310,7 +310,11 @@ class PoolDLRM(nn.Module):
             return False
         specs = [FusedTableSpec(t.num_embeddings, t.embedding_dim, t.arena_offset // 4,
                                 s.arena_offset // 4 if s is not None else None) for t, s in zip(self.tables, states)]
-        flat = pool.arena_tensor(torch.float32)
+        # The kernels read the arena directly: forward_fused makes each batch's rows ready first
+        # (rows an on-demand replay has not applied yet; memory_pool/ondemand.py).
+        flat = pool.arena_tensor(torch.float32, on_demand=True)
+        self._fused_pool = pool
+        self._fused_tables = [(t, s) for t, s in zip(self.tables, states)]
         self.fused = FusedEmbeddingBags(specs, flat, optimizer=eo.kind, lr=eo.lr, eps=eo.eps,
                                         state=flat if eo.kind == "rowwise_adagrad" else None)
         return True
@@ -318,6 +322,13 @@ class PoolDLRM(nn.Module):
     def forward_fused(self, dense: torch.Tensor, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits [B], pooled [B, F*D] from the fused kernel). ``loss.backward()`` then
         updates the batch's rows and their optimizer state in the pool, in place."""
+        pool = self._fused_pool
+        if pool.rows_pending:
+            if plan.values.numel() and not any(r.numel() for r in plan.rows):
+                pool.arena_tensor(on_demand=False)  # a plan without its rows: apply them all
+            else:
+                pool.ready([(t, r) for (t, s), r in zip(self._fused_tables, plan.rows)] +
+                           [(s, r) for (t, s), r in zip(self._fused_tables, plan.rows) if s is not None])
         pooled = self.fused(plan.values, plan.kjt_offsets)
         B, F_ = plan.batch_size, len(self.features)
         sparse = pooled.to(self.dense_device).view(B, F_, self.cfg.embedding_dim)

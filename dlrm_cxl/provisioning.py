@@ -120,7 +120,9 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
                 target = g
                 log(f"pool {path} committed step {c}, but not every rank did: rolling back to step {g}")
         t0 = time.perf_counter()
-        pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes)
+        # On demand: the journal's rows reach the working copy as the steps need them, so a
+        # resume after a power loss does not first wait for every image page they land in.
+        pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes, replay="on-demand")
         try:
             if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
                 log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")

@@ -154,7 +154,8 @@ class Trainer:
         ``InvalidIdsError``): nothing in it depends on the pool's state, so the loop makes the
         plan of the next batches on the prefetch thread, off the step's critical path."""
         if self.fused:
-            return self.model.plan(batch.sparse, fused=True, rows=self.ckpt.needs_touched)
+            # (the rows, also when only an on-demand replay of the journal needs them)
+            return self.model.plan(batch.sparse, fused=True, rows=self.ckpt.needs_touched or self.pool.rows_pending > 0)
         return self.model.plan(batch.sparse)
 
     def train_step(self, k: int, batch, plan=None) -> float:

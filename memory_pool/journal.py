@@ -80,6 +80,7 @@ compactor) may run on another thread; both take the journal's lock around segmen
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import fcntl
@@ -96,6 +97,7 @@ from typing import Callable, Iterable, Sequence
 import google_crc32c
 import numpy as np
 
+from .arena import Arena, page_round
 from .durable import atomic_write, fsync_dir, pwrite_all, raise_if_full
 from .records import (Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, encode_row_set,  # noqa: F401
                       encode_rows, part_bytes)
@@ -415,18 +417,26 @@ class Journal:
                                       f"{ref.segment.name} fails its checksum (bit flip or foreign write)")
         return buf
 
-    def read_many(self, refs: Sequence[RecordRef]):
+    def read_many(self, refs: Sequence[RecordRef], *, window: Arena | None = None):
         """Yield ``(ref, payload)`` for ``refs`` (in order), verified; each segment is mapped once
         (replay and compaction read thousands of records: no open/read per record). Payloads
-        are views of the mapping: use them before the next one is yielded... or copy."""
-        maps: dict[Path, mmap.mmap] = {}
+        are views of the mapping: use them before the next one is yielded... or copy.
+
+        ``window``: map the segments side by side into this reserved range instead (capacity:
+        :func:`window_bytes` of ``refs``), so that every payload lies in one address range and
+        one tensor over it reaches them all (on-demand replay gathers rows from many records
+        with one ``index_select``). The mappings live as long as the window."""
+        maps: dict[Path, mmap.mmap | memoryview] = {}
         _prefetch(refs)
         try:
             for ref in refs:
                 m = maps.get(ref.segment)
                 if m is None:
-                    with open(ref.segment, "rb") as f:
-                        m = maps[ref.segment] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    if window is not None:
+                        m = maps[ref.segment] = _map_into(window, ref.segment)
+                    else:
+                        with open(ref.segment, "rb") as f:
+                            m = maps[ref.segment] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 end = ref.payload_offset + ref.length
                 if end > len(m):
                     raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
@@ -442,7 +452,7 @@ class Journal:
         finally:
             for m in maps.values():
                 try:
-                    m.close()
+                    m.close() if isinstance(m, mmap.mmap) else m.release()
                 except BufferError:
                     pass  # a caller still holds a view; the mapping goes with it
 
@@ -876,3 +886,34 @@ def _prefetch(refs: Sequence[RecordRef]) -> None:
                 os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
+
+
+def window_bytes(refs: Sequence[RecordRef]) -> int:
+    """The capacity a :meth:`Journal.read_many` window needs for ``refs``: their segments, whole."""
+    total = 0
+    for seg in {r.segment for r in refs}:
+        try:
+            total += page_round(seg.stat().st_size)
+        except OSError:
+            pass  # (read_many reports it)
+    return total
+
+
+def _map_into(window: Arena, segment: Path) -> memoryview:
+    """``segment`` mapped read-only (shared: the file's page cache) at the next free offset of
+    ``window``, as a memoryview."""
+    fd = os.open(segment, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        off = window.place(size)
+        if off is None:
+            raise JournalCorruptError(f"{segment.name} grew while it was being read ({size} bytes)")
+        if size:
+            window.map_file(off, fd, size, shared=True, writable=False)
+    finally:
+        os.close(fd)  # (the mapping keeps the file)
+    if not size:
+        return memoryview(b"")
+    buf = (ctypes.c_char * size).from_address(window.base + off)
+    buf._arena = window  # a view of it keeps the window mapped
+    return memoryview(buf).cast("B")

@@ -57,14 +57,18 @@ from .lifecycle import record_owner
 from .threads import one_intra_op_thread
 from .arena import Arena, page_round
 from .journal import Journal, RecordType
+from .ondemand import PendingRows
 from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
-                          replay_rows)
+                          replay_rows, replay_window)
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
 __all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION",
-           "HEADER", "read_header"]
+           "HEADER", "read_header", "REPLAY_MODES"]
 
+# How an open applies the journal's committed rows to the working copy: all before it returns,
+# or each when first needed (memory_pool/ondemand.py).
+REPLAY_MODES = ("eager", "on-demand")
 
 
 # --------------------------------------------------------------------------- pool
@@ -126,9 +130,11 @@ class MemoryPool:
     """
 
     def __init__(self, path: Path, header: dict, *, read_only: bool, lock_fd: int | None,
-                 dram_cache_bytes: int | None, use_libpmem: bool | None, rows: bool = True):
+                 dram_cache_bytes: int | None, use_libpmem: bool | None, rows: bool = True,
+                 replay: str = "eager"):
         self.path = Path(path)
         self._rows = rows
+        self._pending: PendingRows | None = None   # on-demand replay's rows still to apply
         self._header = header
         self.read_only = read_only
         self._lock_fd = lock_fd
@@ -178,8 +184,11 @@ class MemoryPool:
             # apply, wrote it there); those above are only in the journal (and this process).
             self._applied = max(since, self.journal.start_seq)
             self._unsynced: set[str] = set()   # tables written back since their last fdatasync
-            replay = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since) \
-                if self.journaled and rows else {}
+            # On demand (memory_pool/ondemand.py), the rows are read and verified the same way,
+            # through a window that keeps the journal mapped, and only indexed here.
+            window = replay_window(self.journal, since) if self.journaled and rows and replay == "on-demand" else None
+            plan = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since,
+                               window=window) if self.journaled and rows else {}
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
             # rows (the budget covers each cache's map and metadata too).
@@ -187,8 +196,11 @@ class MemoryPool:
             for cfg in cfgs if rows else ():
                 share = dram_cache_bytes * cfg.nbytes // total if split else None
                 self._tables[cfg.name] = self._attach(cfg, create=False, share=share)
-            if replay:
-                self._replay(replay)
+            if plan and window is not None:
+                self._pending = PendingRows(plan, {n: t._region for n, t in self._tables.items()}, window)
+                self.stats.rows_deferred = self._pending.remaining
+            elif plan:
+                self._replay(plan)
             if split:
                 self._dram_left = 0
         except BaseException:
@@ -200,6 +212,7 @@ class MemoryPool:
         """Make ``[(table, ids)]`` durable now (trusted ids), in one group commit on a
         journaled tier. Returns the row bytes persisted."""
         self._check_writable()
+        self.ready(pairs)
         return persist_rows(self.journal if self.journaled else None, pairs)
 
     def compact(self, before_seq: int | None = None, *, wait: bool = True) -> Future | None:
@@ -218,6 +231,10 @@ class MemoryPool:
             # what is left of them is only made durable here.
             self._write_back(refs)
             self._sync_images()
+            # Rows replayed on demand that no step has needed yet point into segments about to
+            # be dropped (or reused): apply them now, while the write-back has their image pages
+            # in the page cache. In chunks: a step that needs rows meanwhile waits for one.
+            self._apply_pending(chunk=1 << 16)
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -333,6 +350,7 @@ class MemoryPool:
         unaligned offset) one each. Nothing is copied yet: a caller may copy straight to where
         the rows go (:meth:`RowGather.into`)."""
         self._check_open()
+        self.ready(pairs)
         out: list = []
         groups: dict = {}
         for i, (t, ids) in enumerate(pairs):
@@ -357,11 +375,54 @@ class MemoryPool:
         """Wait for a background compaction, if one is running (and raise its error)."""
         self._compactor.wait()
 
-    def arena_tensor(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def arena_tensor(self, dtype: torch.dtype = torch.float32, *, on_demand: bool = False) -> torch.Tensor:
         """Every table of the pool as one flat tensor (no copy): table ``t`` starts at element
-        ``t.arena_offset // dtype.itemsize``. What fbgemm's table-batched kernels take."""
+        ``t.arena_offset // dtype.itemsize``. What fbgemm's table-batched kernels take.
+
+        Rows a replay on demand has not applied yet are applied first, unless ``on_demand``: the
+        caller then calls :meth:`ready` with the rows of every batch before it reads them."""
         self._check_open()
+        if not on_demand:
+            self._apply_pending()
         return self._arena.flat(dtype)
+
+    # -- replay on demand (memory_pool/ondemand.py)
+    @property
+    def rows_pending(self) -> int:
+        """Journal rows an on-demand replay has not applied to the working copy yet."""
+        p = self._pending
+        return p.remaining if p is not None else 0
+
+    def ready(self, pairs) -> None:
+        """Apply the journal's rows among ``[(table, ids)]`` (trusted ids) that an on-demand
+        replay has not applied yet: call it before reading them through :meth:`arena_tensor`
+        (``on_demand=True``). Every other row path of the pool does it itself."""
+        p = self._pending
+        if p is None:
+            return
+        n = sum(p.take(t.name, ids) for t, ids in pairs)
+        self._took(p, n)
+
+    def _ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
+        p = self._pending
+        if p is not None:
+            self._took(p, p.take(name, ids))
+
+    def _apply_pending(self, *, chunk: int | None = None) -> None:
+        p = self._pending
+        if p is not None:
+            self._took(p, p.take_all(chunk=chunk))
+
+    def _forget_pending(self, name: str) -> None:
+        p = self._pending
+        if p is not None:
+            p.forget(name)
+            self._took(p, 0)
+
+    def _took(self, p: PendingRows, n: int) -> None:
+        self.stats.rows_replayed += n
+        if not p.remaining and self._pending is p:
+            self._pending = None  # (and its window, the journal's mapping, once no view is left)
 
     def _remap(self, table: "Table") -> None:
         r = table._region
@@ -439,13 +500,19 @@ class MemoryPool:
 
     @classmethod
     def open(cls, path, *, read_only: bool = False, dram_cache_bytes: int | None = None,
-             use_libpmem: bool | None = None, consistent: bool = False, rows: bool = True) -> "MemoryPool":
+             use_libpmem: bool | None = None, consistent: bool = False, rows: bool = True,
+             replay: str = "eager") -> "MemoryPool":
         """Open an existing pool. A writer takes the lock; ``read_only`` takes none.
 
         ``rows=False`` (read-only): the header and the journal only, no table mapped and no row
         replayed: what a look at the pool's status needs (``meta``, the journal's commits), at
         the cost of a scan of the journal's headers. On `kaggle` a full open replays up to a GB
         of rows into a working copy of several GB, for nothing.
+
+        ``replay="on-demand"``: the journal's committed rows are read and verified, but applied to
+        the working copy only when first needed (memory_pool/ondemand.py): after a power loss the
+        open does not wait for the random reads of every image page they land in. What the
+        trainer uses; ``"eager"`` (the default) applies them all before returning.
 
         ``consistent`` (read-only): hold a shared lock while open, so that no writer can change
         the pool under this reader, and refuse (PoolLockedError) if a writer is training it now:
@@ -465,13 +532,15 @@ class MemoryPool:
                 hint="shm pools survive a trainer crash, not a reboot; use --tier pmem for that")
         if not rows and not read_only:
             raise InvalidConfigError("rows=False opens a pool read-only: pass read_only=True")
+        if replay not in REPLAY_MODES:
+            raise InvalidConfigError(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
         if read_only:
             lock_fd = cls._lock(path, shared=True) if consistent else None
         else:
             lock_fd = cls._lock(path)
         # On failure __init__ closes what it opened, the lock included.
         return cls(path, header, read_only=read_only, lock_fd=lock_fd,
-                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem, rows=rows)
+                   dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem, rows=rows, replay=replay)
 
     @staticmethod
     def _lock(path: Path, *, shared: bool = False) -> int | None:
@@ -737,6 +806,7 @@ class MemoryPool:
             return
         self._closed = True
         self._compactor.shutdown()
+        self._pending = None
         if self.journal is not None:
             self.journal.close()
         for t in self._tables.values():

@@ -62,7 +62,8 @@ class PoolStats:
     bytes_compacted: int = 0        # journal bytes dropped after write-back
     compactions: int = 0
     applies: int = 0                # write-back passes of sealed journal segments between compactions (unsynced)
-    rows_replayed: int = 0          # journal rows written into the working copy when the pool was opened
+    rows_replayed: int = 0          # journal rows written into the working copy (at the open, or on demand)
+    rows_deferred: int = 0          # of those, rows an on-demand replay left to apply when first needed
     pages_prefetched: int = 0       # image pages asked for before that replay (0 when they were cached)
     compact_seconds: float = 0.0    # wall time of the compactions and applies (on their background thread)
     compact_cpu_seconds: float = 0.0  # CPU of the compactor's thread (not torch's worker threads)
@@ -105,10 +106,13 @@ class Table:
         :meth:`write` unless you know why. Invalid after the pool is closed.
         """
         self.pool._check_open()
+        self.pool._ready_rows(self.name)
         return self._region.tensor
 
     # -- hot path (callers have validated)
+    # (every row path first applies the rows of ids an on-demand replay has not applied yet)
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        self.pool._ready_rows(self.name, ids)
         st = self.pool.stats
         if self._cache is None:
             out = self._region.tensor.index_select(0, ids)
@@ -123,6 +127,7 @@ class Table:
         return out
 
     def _scatter(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        self.pool._ready_rows(self.name, ids)  # (or a pending journal value would overwrite these later)
         self._region.tensor.index_copy_(0, ids, values)
         self._region.mark_dirty(ids)
         if self._cache is not None:
@@ -145,6 +150,7 @@ class Table:
 
     def restore_raw(self, ids: torch.Tensor, raw: torch.Tensor) -> None:
         """Set rows ``ids`` to raw bytes ``raw`` [n, row_bytes] (recovery's write path)."""
+        self.pool._ready_rows(self.name, ids)
         self._region.restore_rows(ids, raw)
         if self._cache is not None:
             self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
@@ -166,6 +172,7 @@ class Table:
 
     def _pooled(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
         if self._cache is None:
+            self.pool._ready_rows(self.name, ids)
             self.pool.stats.bytes_read_home += ids.numel() * self.config.row_bytes
             return F.embedding_bag(ids, self._region.tensor, offsets, mode="sum",
                                    per_sample_weights=per_sample_weights)
@@ -234,6 +241,7 @@ class Table:
 
     def _load_chunks(self, chunks, chunk_rows: int) -> None:
         region = self._region
+        self.pool._forget_pending(self.name)  # (every row is replaced: no journal value may land later)
         t = region.tensor
         for a, vals in chunks:
             b = min(a + chunk_rows, self.num_embeddings)
