@@ -280,6 +280,9 @@ def _cmd_train(args) -> int:
               f"them, {ps['compact_cpu_seconds']:.2f} s of CPU "
               f"({1e3 * ps['compact_cpu_seconds'] / summary.steps_run:.2f} ms/step amortised); "
               f"{ps['bytes_written_back'] / 1e6:.1f} MB of rows written back into the tables")
+    if ps.get("rows_deferred"):
+        print(f"replay on demand: the pool opened in {ps['open_seconds']:.2f} s with {ps['rows_deferred']:,} journal rows "
+              f"left to apply; {ps['rows_replayed']:,} applied since, as steps first read them or at a compaction")
     for ev in summary.eval:
         print(f"eval at step {ev['step']}: auc {ev['auc']:.4f}, logloss {ev['logloss']:.4f}")
     print(f"state_digest {digest}")

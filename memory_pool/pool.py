@@ -142,6 +142,7 @@ class MemoryPool:
         self._use_libpmem = use_libpmem
         self.dram_cache_bytes = dram_cache_bytes
         self._dram_left = dram_cache_bytes
+        t_open = time.perf_counter()
         self.stats = PoolStats()
         self._tables: dict[str, Table] = {}
         self._meta_lock = threading.Lock()
@@ -203,6 +204,7 @@ class MemoryPool:
                 self._replay(plan)
             if split:
                 self._dram_left = 0
+            self.stats.open_seconds = time.perf_counter() - t_open
         except BaseException:
             self.close()
             raise

@@ -163,6 +163,21 @@ def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
     destroy_pool(pool)
 
 
+def test_a_resumed_train_says_how_long_the_open_took_and_how_many_journal_rows_it_left_to_apply(tmp_path):
+    pool = tmp_path / "pool"
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--tier", "pmem", "--steps", 4)
+    assert code == 0, err
+    assert "replay on demand" not in out  # a new pool: no journal to replay
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 6)
+    assert code == 0, err
+    m = re.search(r"pool opened in \d+ ms; ([\d,]+) journal rows are applied as the steps first read them", out)
+    assert m and int(m.group(1).replace(",", "")) > 0, out
+    m2 = re.search(r"^replay on demand: the pool opened in [\d.]+ s with ([\d,]+) journal rows left to apply; "
+                   r"([\d,]+) applied since", out, re.M)
+    assert m2 and m2.group(1) == m.group(1) and int(m2.group(2).replace(",", "")) > 0, out
+    destroy_pool(pool)
+
+
 def test_train_summary_reports_the_journal_writers_cpu_and_the_bytes_per_step(tmp_path):
     """The critical path hides the journal writer's work (its own thread); the summary says what
     it cost, since with no core to spare it is taken from the step."""
