@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -55,12 +56,15 @@ class PendingRows:
     """The committed journal rows a pool's working copy does not hold yet (see the module).
 
     ``plan``: :func:`replay_plan`'s ``{table: [(ids, raw)]}`` in journal order, read through
-    ``window`` (its ``raw`` rows lie in it); ``regions``: each table's region. Thread-safe: the
-    trainer, the checkpointer's writer and the compactor may apply rows at the same time; a row
-    is applied once, and its mark cleared only after it is in place."""
+    ``window`` (its ``raw`` rows lie in it); ``regions``: each table's region; ``on_apply(n)``:
+    called, under the lock, with the rows each call applied. Thread-safe: the trainer, the
+    checkpointer's writer and the compactor may apply rows at the same time; a row is applied
+    once, and its mark cleared only after it is in place."""
 
-    def __init__(self, plan: dict[str, list], regions: dict[str, Region], window: Arena):
+    def __init__(self, plan: dict[str, list], regions: dict[str, Region], window: Arena,
+                 on_apply: Callable[[int], None] = lambda n: None):
         self._window = window
+        self._on_apply = on_apply
         self._lock = threading.Lock()
         self._sources: dict[int, torch.Tensor] = {}
         self._tables: dict[str, _Pending] = {}
@@ -116,6 +120,7 @@ class PendingRows:
                 p.mask[hit] = False
                 p.left -= hit.numel()
                 self._left -= hit.numel()
+                self._on_apply(hit.numel())
             if p.left == 0:
                 del self._tables[name]
             return hit.numel()

@@ -198,7 +198,8 @@ class MemoryPool:
                 share = dram_cache_bytes * cfg.nbytes // total if split else None
                 self._tables[cfg.name] = self._attach(cfg, create=False, share=share)
             if plan and window is not None:
-                self._pending = PendingRows(plan, {n: t._region for n, t in self._tables.items()}, window)
+                self._pending = PendingRows(plan, {n: t._region for n, t in self._tables.items()}, window,
+                                            on_apply=self._count_replayed)
                 self.stats.rows_deferred = self._pending.remaining
             elif plan:
                 self._replay(plan)
@@ -400,29 +401,33 @@ class MemoryPool:
         replay has not applied yet: call it before reading them through :meth:`arena_tensor`
         (``on_demand=True``). Every other row path of the pool does it itself."""
         p = self._pending
-        if p is None:
-            return
-        n = sum(p.take(t.name, ids) for t, ids in pairs)
-        self._took(p, n)
+        if p is not None:
+            for t, ids in pairs:
+                p.take(t.name, ids)
+            self._done_if_empty(p)
 
     def _ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
         p = self._pending
         if p is not None:
-            self._took(p, p.take(name, ids))
+            p.take(name, ids)
+            self._done_if_empty(p)
 
     def _apply_pending(self, *, chunk: int | None = None) -> None:
         p = self._pending
         if p is not None:
-            self._took(p, p.take_all(chunk=chunk))
+            p.take_all(chunk=chunk)
+            self._done_if_empty(p)
 
     def _forget_pending(self, name: str) -> None:
         p = self._pending
         if p is not None:
             p.forget(name)
-            self._took(p, 0)
+            self._done_if_empty(p)
 
-    def _took(self, p: PendingRows, n: int) -> None:
-        self.stats.rows_replayed += n
+    def _count_replayed(self, n: int) -> None:
+        self.stats.rows_replayed += n  # (called under the PendingRows' lock: no count is lost)
+
+    def _done_if_empty(self, p: PendingRows) -> None:
         if not p.remaining and self._pending is p:
             self._pending = None  # (and its window, the journal's mapping, once no view is left)
 
