@@ -889,14 +889,16 @@ def _prefetch(refs: Sequence[RecordRef]) -> None:
 
 
 def window_bytes(refs: Sequence[RecordRef]) -> int:
-    """The capacity a :meth:`Journal.read_many` window needs for ``refs``: their segments, whole."""
+    """The capacity a :meth:`Journal.read_many` window needs for ``refs``: their segments, whole,
+    twice over -- room for a segment that grows while it is read (a reader beside a writer); the
+    range is only reserved, so the slack costs no memory."""
     total = 0
     for seg in {r.segment for r in refs}:
         try:
             total += page_round(seg.stat().st_size)
         except OSError:
             pass  # (read_many reports it)
-    return total
+    return 2 * total
 
 
 def _map_into(window: Arena, segment: Path) -> memoryview:
@@ -904,10 +906,10 @@ def _map_into(window: Arena, segment: Path) -> memoryview:
     ``window``, as a memoryview."""
     fd = os.open(segment, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
+        # (At most what is left of the window: a record past it reads as truncated, as past the
+        # end of the file.)
+        size = min(os.fstat(fd).st_size, window.capacity - window.used)
         off = window.place(size)
-        if off is None:
-            raise JournalCorruptError(f"{segment.name} grew while it was being read ({size} bytes)")
         if size:
             window.map_file(off, fd, size, shared=True, writable=False)
     finally:
