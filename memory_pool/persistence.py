@@ -38,8 +38,8 @@ from .journal import Journal, RecordType, decode_row_set, encode_rows, window_by
 from .tiers import shm_root
 from .threads import one_intra_op_thread
 
-__all__ = ["persist_rows", "replay_plan", "replay_window", "replay_rows", "prefetch_if_cold", "newest_mask", "latest", "absorb_rows",
-           "Compactor", "AppliedMark", "APPLIED_PREFIX", "stale_marks"]
+__all__ = ["persist_rows", "replay_plan", "replay_rows", "prefetch_if_cold", "newest_mask", "latest",
+           "absorb_rows", "Compactor", "AppliedMark", "APPLIED_PREFIX", "stale_marks"]
 
 APPLIED_PREFIX = "dlrm-cxl-applied."   # <shm root>/dlrm-cxl-applied.<pool id>.<key>: see AppliedMark
 _FS_IOC_GETVERSION = 0x80087601        # _IOR('v', 1, long): the inode's generation number
@@ -64,24 +64,17 @@ def persist_rows(journal: Journal | None, pairs) -> int:
     return n
 
 
-def _replay_refs(journal: Journal, since_seq: int) -> list:
-    return [r for txn in journal.txns if txn.end.seq >= since_seq
-            for r in txn.records if r.type == RecordType.ROWS and r.seq >= since_seq]
-
-
-def replay_window(journal: Journal, since_seq: int = 0) -> Arena:
-    """An empty address range big enough for :func:`replay_plan`'s records read through it
-    (on-demand replay: memory_pool/ondemand.py)."""
-    return Arena(window_bytes(_replay_refs(journal, since_seq)))
-
-
 def replay_plan(journal: Journal, tables: set[str], where: Path, since_seq: int = 0, *,
-                window: Arena | None = None) -> dict[str, list]:
+                on_demand: bool = False) -> tuple[dict[str, list], Arena | None]:
     """ROWS records of every complete transaction from ``since_seq`` on, per table, in journal
-    order (the images' page cache already holds those below it: :class:`AppliedMark`), read
-    (and verified) through ``window`` when given (:func:`replay_window`)."""
+    order (the images' page cache already holds those below it: :class:`AppliedMark`), and
+    with ``on_demand`` the window they were read (and verified) through: one address range
+    holding every segment they are in, which an on-demand replay gathers rows from
+    (memory_pool/ondemand.py); else None."""
+    refs = [r for txn in journal.txns if txn.end.seq >= since_seq
+            for r in txn.records if r.type == RecordType.ROWS and r.seq >= since_seq]
+    window = Arena(window_bytes(refs)) if on_demand and refs else None
     plan: dict[str, list] = {}
-    refs = _replay_refs(journal, since_seq)
     for ref, payload in journal.read_many(refs, window=window):
         # Views of the mapped segment (kept mapped while they live); latest() copies them.
         for name, ids, raw in decode_row_set(payload):
@@ -89,7 +82,7 @@ def replay_plan(journal: Journal, tables: set[str], where: Path, since_seq: int 
     unknown = set(plan) - set(tables)
     if unknown:
         raise PoolCorruptError(f"{where}: the journal holds rows of unknown tables {sorted(unknown)}")
-    return plan
+    return plan, window
 
 
 def newest_mask(ids: torch.Tensor, rows: int, scratch: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,7 +59,7 @@ from .arena import Arena, page_round
 from .journal import Journal, RecordType
 from .ondemand import PendingRows
 from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
-                          replay_rows, replay_window)
+                          replay_rows)
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
@@ -187,9 +187,8 @@ class MemoryPool:
             self._unsynced: set[str] = set()   # tables written back since their last fdatasync
             # On demand (memory_pool/ondemand.py), the rows are read and verified the same way,
             # through a window that keeps the journal mapped, and only indexed here.
-            window = replay_window(self.journal, since) if self.journaled and rows and replay == "on-demand" else None
-            plan = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since,
-                               window=window) if self.journaled and rows else {}
+            plan, window = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since,
+                                       on_demand=replay == "on-demand") if self.journaled and rows else ({}, None)
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
             # rows (the budget covers each cache's map and metadata too).

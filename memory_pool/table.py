@@ -104,7 +104,8 @@ class Table:
         """The live [rows, dim] tensor over the table's home memory (no copy).
 
         Writing through it bypasses the cache, dirty tracking and the undo log: use
-        :meth:`write` unless you know why. Invalid after the pool is closed.
+        :meth:`write` unless you know why. Invalid after the pool is closed. After an on-demand
+        open, the journal's rows of the whole table are applied first.
         """
         self.pool._check_open()
         self.pool._ready_rows(self.name)
