@@ -94,7 +94,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-import google_crc32c
 import numpy as np
 
 from .arena import Arena, page_round
@@ -192,12 +191,12 @@ def _seg_name(first_seq: int) -> str:
 
 def _seg_header(first_seq: int, flags: int = 0) -> bytes:
     body = SEG.pack(SEG_MAGIC, VERSION, first_seq, flags, 0)[:-4]
-    return body + struct.pack("<I", google_crc32c.value(body))
+    return body + struct.pack("<I", crc32c_extend(0, body))
 
 
 def _rec_header(rtype: int, seq: int, tag: int, length: int, pcrc: int) -> bytes:
     body = REC.pack(REC_MAGIC, rtype, seq, tag, length, pcrc, 0)[:-4]
-    return body + struct.pack("<I", google_crc32c.value(body))
+    return body + struct.pack("<I", crc32c_extend(0, body))
 
 
 def _parse_header(raw: bytes):
@@ -205,7 +204,7 @@ def _parse_header(raw: bytes):
     if len(raw) < REC.size or raw[:4] != REC_MAGIC:
         return None
     magic, rtype, seq, tag, length, pcrc, hcrc = REC.unpack_from(raw)
-    if google_crc32c.value(bytes(raw[:REC.size - 4])) != hcrc:
+    if crc32c_extend(0, bytes(raw[:REC.size - 4])) != hcrc:
         return None
     return rtype, seq, tag, length, pcrc
 
@@ -300,7 +299,7 @@ class Journal:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
                 head = f.read(SEG.size)
                 ok = len(head) == SEG.size and head[:8] == SEG_MAGIC and \
-                    google_crc32c.value(head[:-4]) == struct.unpack_from("<I", head, SEG.size - 4)[0] and \
+                    crc32c_extend(0, head[:-4]) == struct.unpack_from("<I", head, SEG.size - 4)[0] and \
                     SEG.unpack(head)[2] == seg.first_seq
                 if not ok:
                     if i == len(segs) - 1 and not pending and seg.size == 0:
@@ -326,7 +325,7 @@ class Journal:
                     ref = RecordRef(seg.path, off, rtype, seq, tag, length, pcrc)
                     if rtype == RecordType.END:
                         payload = f.read(length)
-                        if google_crc32c.value(payload) != pcrc:
+                        if crc32c_extend(0, payload) != pcrc:
                             bad = (seg, off, "END fails its checksum")
                             break
                         self.txns.append(TxnInfo(tag, json.loads(payload), pending, ref))

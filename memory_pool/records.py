@@ -15,20 +15,18 @@ Payloads written before row sets existed (one table, no magic: ``u16 name length
 bytes, u64 n rows, name, ids, rows``) are still read (:func:`decode_row_set`).
 
 Every payload (and every record header) is protected by crc32c (:func:`crc32c`, hardware
-accelerated through google-crc32c).
+accelerated: :func:`crc32c_extend`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import struct
 import warnings
-from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-import google_crc32c
 import numpy as np
 import torch
+from crc32c import crc32c as _crc32c
 
 # Payloads are decoded from read-only mappings of journal segments (torch.frombuffer warns about
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
@@ -80,40 +78,21 @@ def crc32c(parts: Iterable, crc: int = 0) -> int:
     return crc
 
 
-GIL_FREE_BYTES = 64 << 10  # from this size on, a checksum is computed without holding the GIL
-
-
-def _load_gil_free_crc32c():
-    """google-crc32c's own C library, called through ctypes, which lets go of the GIL for the
-    call: its Python extension holds the GIL throughout (measured: a 45 ms checksum stopped
-    every other thread's Python for 50 ms). The journal writer and the compactor checksum
-    megabytes a step beside the trainer's thread, whose every op needs the GIL to start. None
-    when the wheel does not ship the library separately (then the extension is used)."""
-    pkg = Path(google_crc32c.__file__).parent
-    for lib in sorted(pkg.parent.glob("google_crc32c.libs/libcrc32c*.so*")) + sorted(pkg.glob("libcrc32c*.so*")):
-        try:
-            fn = ctypes.CDLL(str(lib)).crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
-        return fn
-    return None
-
-
-_gil_free_extend = _load_gil_free_crc32c()
+GIL_FREE_BYTES = 32 << 10  # from this size on, a checksum is computed without holding the GIL
 
 
 def crc32c_extend(crc: int, buf) -> int:
-    """crc32c of ``buf`` (bytes, a numpy array or any buffer) continuing from ``crc``; without
-    holding the GIL when it is large (see :func:`_load_gil_free_crc32c`)."""
-    if isinstance(buf, bytes) and len(buf) < GIL_FREE_BYTES:
-        return google_crc32c.extend(crc, buf)
-    arr = np.ascontiguousarray(buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8))
-    if _gil_free_extend is not None and arr.nbytes >= GIL_FREE_BYTES:
-        return _gil_free_extend(crc, arr.ctypes.data, arr.nbytes)
-    # (the C extension takes bytes or numpy arrays, not writable memoryviews/bytearrays)
-    return google_crc32c.extend(crc, arr)
+    """crc32c of ``buf`` (bytes, a numpy array or any buffer) continuing from ``crc``.
+
+    Computed by the ``crc32c`` package (ICRAR's): SSE4.2's crc32 instruction on three interleaved
+    streams, 26 GB/s here against 5.9 GB/s for google-crc32c's single stream (8 MiB: 0.32 against
+    1.41 ms), which the journal writer used to spend on every recovery point's ~8 MB. The values
+    are the same function (the tests check them against google-crc32c). From ``GIL_FREE_BYTES``
+    on it lets go of the GIL for the call: the journal writer and the compactor checksum megabytes
+    beside the trainer's thread, whose every op needs the GIL to start."""
+    if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
+        buf = np.ascontiguousarray(buf)
+    return _crc32c(buf, crc, 1 if memoryview(buf).nbytes >= GIL_FREE_BYTES else 0)
 
 
 def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tensor | Fill,

@@ -37,7 +37,6 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import google_crc32c  # noqa: E402
 import torch  # noqa: E402
 
 from dlrm_cxl.model import PRESETS  # noqa: E402
@@ -45,6 +44,7 @@ from dlrm_cxl.options import TrainOptions  # noqa: E402
 from checkpointing import UndoLogCheckpointer  # noqa: E402
 from dlrm_cxl.trainer import Trainer  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
+from memory_pool.records import crc32c_extend  # noqa: E402
 
 
 def _best(fn, reps: int = 7) -> float:
@@ -57,13 +57,25 @@ def _best(fn, reps: int = 7) -> float:
     return min(out)
 
 
-def machine_limits(nbytes: int, disk_dir: Path) -> dict[str, float]:
-    """Milliseconds for ``nbytes``: the floor of each operation a recovery point needs."""
+def machine_limits(nbytes: int, disk_dir: Path, row_bytes: int = 0, row_size: int = 256) -> dict[str, float]:
+    """Milliseconds for ``nbytes``: the floor of each operation a recovery point needs. With
+    ``row_bytes``, also ``gather``: copying that many bytes of distinct random rows of
+    ``row_size`` bytes out of a 512 MiB table (larger than the caches, as the pool's tables are)
+    into one buffer, with one ``index_select``: what a step's touched rows cost to collect."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     arr = src.numpy()
     out = {"memcpy": _best(lambda: dst.copy_(src)),
-           "crc32c": _best(lambda: google_crc32c.extend(0, arr))}
+           "crc32c": _best(lambda: crc32c_extend(0, arr))}
+    if row_bytes:
+        table = torch.ones((512 << 20) // row_size, row_size // 4, dtype=torch.float32)
+        n = min(row_bytes // row_size, table.shape[0])
+        # (other rows every time: rows still in the caches from the last repetition would make
+        # the floor one that no step meets)
+        sets = iter([torch.randperm(table.shape[0])[:n].sort().values for _ in range(8)])
+        rows = torch.empty(n, table.shape[1], dtype=table.dtype)
+        out["gather"] = _best(lambda: torch.index_select(table, 0, next(sets), out=rows))
+        del table
     for name, d in (("tmpfs", Path("/dev/shm")), ("disk", disk_dir)):
         path = d / f"dlrm-cxl-bench-durability-{os.getpid()}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -132,10 +144,11 @@ def checkpointer_cost(preset: str, tier: str, steps: int, workdir: Path, warmup:
         ps = tr.pool.stats
         durable = (s1["log_bytes"] + s1["dense_bytes"] + s1["table_bytes_persisted"]
                    - s0["log_bytes"] - s0["dense_bytes"] - s0["table_bytes_persisted"]) / steps
+        rows = (s1["log_bytes"] + s1["table_bytes_persisted"] - s0["log_bytes"] - s0["table_bytes_persisted"]) / steps
         return {"tier": tier, "warmup_steps": k - steps, "recycled_segments": getattr(j, "recycled", 0),
                 "cpu_ms": (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / steps * 1e3,
                 "sys_ms": (r1.ru_stime - r0.ru_stime) / steps * 1e3,
-                "wall_ms": (t1 - t0) / steps * 1e3, "durable_bytes": durable, "steps_run": k,
+                "wall_ms": (t1 - t0) / steps * 1e3, "durable_bytes": durable, "row_bytes": rows, "steps_run": k,
                 "compactions": ps.compactions, "compact_s": ps.compact_seconds, "compact_cpu_s": ps.compact_cpu_seconds}
     finally:
         tr.close()
@@ -160,7 +173,8 @@ def main(argv=None) -> int:
     try:
         rows = [checkpointer_cost(a.preset, t, a.steps, work, a.warmup, a.inline, a.batches) for t in a.tiers.split(",")]
         per_step = max(r["durable_bytes"] for r in rows)
-        lim = machine_limits(int(per_step), work)
+        row_part = max(r["row_bytes"] for r in rows)
+        lim = machine_limits(int(per_step), work, int(row_part), PRESETS[a.preset].embedding_dim * 4)
     finally:
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -171,6 +185,11 @@ def main(argv=None) -> int:
     floor = lim["memcpy"] + lim["crc32c"] + lim["pwrite_cached_tmpfs"]
     print(f"floor of a recovery point (memcpy + crc32c + cached pwrite): {floor:.2f} ms CPU; "
           f"on disk also fdatasync {lim['fdatasync_disk']:.2f} ms of device time (overlaps compute)")
+    # A mapped journal (shm) is written by the copies themselves (no pwrite): the rows are
+    # gathered into it, the dense state copied into it, and all of it checksummed.
+    mapped = lim["gather"] + lim["memcpy"] * (per_step - row_part) / per_step + lim["crc32c"]
+    print(f"floor on a mapped journal (shm): gather of the {row_part / 1e6:.2f} MB of rows + memcpy of the "
+          f"{(per_step - row_part) / 1e6:.2f} MB of dense state + crc32c of all = {mapped:.2f} ms CPU")
     print(f"{'tier':10s} {'MB/step':>8s} {'CPU ms/step':>12s} {'of which sys':>13s} {'wall ms/step':>13s} "
           f"{'x floor':>8s} {'warm-up steps':>14s} {'recycled segs':>14s}")
     for r in rows:
