@@ -57,3 +57,46 @@ def test_popularity_rank_orders_rows_by_how_often_the_data_draws_them():
     rows, counts = np.unique(drawn, return_counts=True)
     assert rows[np.argmax(counts)] == np.flatnonzero(ranks == 0)[0]
     assert np.median(data.popularity_rank(f, drawn)) < n / 100   # draws concentrate on low ranks
+
+
+def _home(tool, **kw):
+    # One table of 64 rows of 256 bytes: 16 rows a page, 4 pages; a packed row takes 264 bytes.
+    return tool._Home("t", [64], [(256, 264)], **kw)
+
+
+def _window(*rows):
+    w = np.zeros(64, dtype=bool)
+    w[list(rows)] = True
+    return [w]
+
+
+def test_the_steady_model_writes_dense_pages_in_place_and_carries_or_appends_the_other_rows():
+    tool = _tool()
+    in_place = _home(tool, runs=False, cap=float("inf"), dense=0)
+    carry = _home(tool, runs=False, cap=1e9, dense=0.25)   # a page goes home from 4 changed rows
+    runs = _home(tool, runs=True, cap=1e9, dense=0.25)
+    for rows, want in (((0, 1, 2, 3, 17), (2 * 4096, 4096 + 264, 4096 + 264)),
+                       # the carry file holds 17 and 18 again; a new run only 18
+                       ((18,), (4096, 2 * 264, 264)),
+                       # 17, 18, 19, 20: page 1 is dense now and goes home; nothing is carried
+                       ((19, 20), (4096, 4096, 4096))):
+        before = [h.written for h in (in_place, carry, runs)]
+        for h in (in_place, carry, runs):
+            h.compact(_window(*rows))
+        assert tuple(h.written - b for h, b in zip((in_place, carry, runs), before)) == want, rows
+    assert carry.live == runs.live == 0
+
+
+def test_the_steady_model_writes_the_fullest_carried_page_in_place_past_its_bound():
+    tool = _tool()
+    carry = _home(tool, runs=False, cap=1.5 * 264, dense=0.25)
+    carry.compact(_window(17, 33, 34))      # 3 rows to carry, room for 1: page 2 (two rows) goes home
+    assert carry.written == 4096 + 264 and carry.live == 264
+    where = carry.where[0][0]   # (row kind 0, table 0)
+    assert where[17] >= 0 and where[33] == where[34] == -1
+
+    runs = _home(tool, runs=True, cap=3 * 264, dense=0.25)
+    runs.compact(_window(17, 33))           # run 1: 17, 33
+    runs.compact(_window(17, 49))           # run 2: 17, 49; run 1's 17 is dead, and 4 rows of runs > 3:
+    assert runs.written == 2 * 264 + 2 * 264 + 264   # run 1's live row (33) moves on into run 2
+    assert runs.run_bytes == {2: 3 * 264} and runs.live == 3 * 264
