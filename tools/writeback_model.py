@@ -89,6 +89,17 @@ def pages_of(rows: np.ndarray, row_bytes: int) -> int:
     return int(np.unique(np.concatenate([first, last])).size)
 
 
+def _draw(data, k: int, marks: list[np.ndarray], row_bytes: int, dense_mb: float) -> float:
+    """Mark step ``k``'s rows in ``marks`` (a bool mask per table); the journal bytes it adds."""
+    ids = data.batch(k).sparse.values().view(len(marks), -1).numpy()
+    added = dense_mb * 1e6
+    for f, mark in enumerate(marks):
+        u = np.unique(ids[f])
+        mark[u] = True
+        added += u.size * (row_bytes + STATE_ROW_BYTES + 2 * ID_BYTES)
+    return added
+
+
 class _Home:
     """One home layout in ``--steady``: its bytes written so far, and which rows it holds
     outside the images (``where[kind][table][row]``: -1 in the image, else the run holding the
@@ -174,7 +185,6 @@ class _Home:
 
 def steady(a, cfg, data) -> int:
     """``--steady``: compactions every ``a.every`` steps for ``a.steady`` steps, three homes."""
-    nf, b = len(cfg.num_embeddings), cfg.batch_size
     row_bytes = cfg.embedding_dim * 4
     kinds = [(row_bytes, row_bytes + ID_BYTES), (STATE_ROW_BYTES, STATE_ROW_BYTES + ID_BYTES)]
     cap = a.cap * 1e6
@@ -187,16 +197,11 @@ def steady(a, cfg, data) -> int:
     print(f"# preset {a.preset}: a compaction every {a.every} steps; pages written in place from {a.dense:.0%} "
           f"changed; carried/run bytes bounded at {a.cap:g} MB. WA = (journal + write-back) / journal, so far")
     print(f"{'steps':>6} {'journal GB':>10} " + " ".join(f"{h.name:>14}" for h in homes) +
-          f" {'carry file MB':>13} {'run files MB':>12}   (in brackets: WA of the last {'interval'})")
+          f" {'carry file MB':>13} {'run files MB':>12}   (in brackets: WA since the row before)")
     last_j, last_w = 0.0, [0.0] * len(homes)
     report = max(1, (a.steady // a.every) // 10) * a.every
     for k in range(a.steady):
-        ids = data.batch(k).sparse.values().view(nf, b).numpy()
-        for f in range(nf):
-            u = np.unique(ids[f])
-            window[f][u] = True
-            journal += u.size * (row_bytes + STATE_ROW_BYTES + 2 * ID_BYTES)
-        journal += a.dense_mb * 1e6
+        journal += _draw(data, k, window, row_bytes, a.dense_mb)
         if (k + 1) % a.every == 0:
             for h in homes:
                 h.compact(window)
@@ -234,12 +239,7 @@ def main(argv=None) -> int:
     k = 0
     for w in windows:
         while k < w:
-            ids = data.batch(k).sparse.values().view(nf, b).numpy()
-            for f in range(nf):
-                u = np.unique(ids[f])
-                touched[f][u] = True
-                journal += u.size * (row_bytes + STATE_ROW_BYTES + 2 * ID_BYTES)
-            journal += a.dense_mb * 1e6
+            journal += _draw(data, k, touched, row_bytes, a.dense_mb)
             k += 1
         distinct = in_place = by_freq = 0
         for f in range(nf):
