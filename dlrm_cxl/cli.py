@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     from checkpointing.crash import PHASES, RECOVERY_PHASES
     from memory_pool.tiers import TIERS
 
+    from .options import WRITERS
+
     p = argparse.ArgumentParser(prog="dlrm-cxl", description=(
         "Fault-tolerant DLRM training with embedding tables in a tiered, persistent memory pool."))
     sub = p.add_subparsers(dest="command", required=True)
@@ -76,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dense-every", type=int, default=None,
                    help="recovery point (dense snapshot + persisted rows) every N steps; default 1 (every "
                         "step, on every tier: a crash loses at most the step in flight and the one before it)")
+    t.add_argument("--writer", choices=list(WRITERS), default="auto",
+                   help="where the journal writer runs: its own thread (step k+1 computes while step k becomes "
+                        "durable; a crash loses at most 2 steps) or inline on the trainer's thread (a crash loses "
+                        "at most the step in flight). auto: inline on shm/dram/real pmem when the machine has no "
+                        "core to spare beside torch's threads, else its own thread")
     t.add_argument("--crash-at", metavar="STEP:PHASE",
                    help=f"SIGKILL this process at STEP in PHASE ({', '.join(PHASES)})")
     t.add_argument("--crash-rank", type=int, default=0, help="with torchrun: the rank --crash-at kills")
@@ -213,7 +220,8 @@ def _cmd_train(args) -> int:
         crash_at=parse_crash_at(args.crash_at) if args.crash_at else None, crash_rank=args.crash_rank,
         threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
-        fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel)
+        fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel,
+        writer=args.writer)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
     ctx = None
     if distributed:
@@ -261,7 +269,9 @@ def _cmd_train(args) -> int:
         print(f"data: {d['skipped_lines']} malformed line(s) skipped (--skip-bad-lines)")
     # The writer's CPU too: on its own thread, but on a machine with no core to spare it is taken
     # from the step about one for one (measured on 2 cores), which the critical path does not show.
-    writer = (f"{ck['writer_cpu_ms_per_step']:.2f} ms/step of CPU on the journal writer's thread, "
+    where = "inline on the trainer's thread (in the critical path)" if ck.get("writer") == "inline" else \
+        "on the journal writer's thread"
+    writer = (f"{ck['writer_cpu_ms_per_step']:.2f} ms/step of CPU {where}, "
               if ck.get("writer_cpu_ms_per_step") else "")
     print(f"checkpoint {args.checkpoint}: {ck['critical_ms_per_step']:.2f} ms/step on the critical path "
           f"({1e3 * ck['commit_wait_seconds'] / max(ck['steps'], 1):.2f} waiting for the previous step to be durable), "

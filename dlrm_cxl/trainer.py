@@ -26,7 +26,7 @@ from .data import Prefetcher, make_data_source
 from .errors import TrainingDivergedError
 from .evaluation import EVAL_SEED_OFFSET, HeldOutSynthetic, eval_source, evaluate
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
-from .options import TrainOptions, TrainSummary, data_spec, default_dense_every, validate_options
+from .options import TrainOptions, TrainSummary, data_spec, default_dense_every, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, create_model_tables, open_training_pool
 
 # The names below moved to options.py, provisioning.py and evaluation.py; they stay importable
@@ -96,6 +96,11 @@ class Trainer:
         self._positions: dict[int, dict | None] = {}
         ckpt_cls = UndoLogCheckpointer if o.checkpoint == "undo" else NoCheckpointer
         extra = {"coordinator": self.dist} if self.dist is not None and o.checkpoint == "undo" else {}
+        # (after --threads is applied above: the choice compares the cores with torch's threads)
+        self.writer = resolve_writer(o.writer, journaled=self.pool.journaled,
+                                     ranks=1 if self.dist is None else self.dist.world)
+        if o.checkpoint == "undo":
+            extra["inline"] = self.writer == "inline"
         self.dense_every = o.dense_every or default_dense_every(self.pool)
         self.ckpt = ckpt_cls(self.pool, self._live_dense_state, dense_every=self.dense_every, crash=self.crash,
                              **extra)
@@ -276,7 +281,8 @@ class Trainer:
         o = self.o
         start = self.step
         self.log(f"dlrm-cxl: pool {o.pool} | tier {self.pool.tier}: {self.pool.durability} | "
-                 f"checkpoint {o.checkpoint} (recovery point every {self.dense_every} steps) | step {start} -> {o.steps}")
+                 f"checkpoint {o.checkpoint} (recovery point every {self.dense_every} steps"
+                 f"{'; journal writer ' + ('inline' if self.writer == 'inline' else 'on its own thread') if o.checkpoint == 'undo' else ''}) | step {start} -> {o.steps}")
         losses: list[float] = []
         evals = []
         io0 = io_write_bytes()
@@ -327,7 +333,8 @@ class Trainer:
             samples_per_s=samples / dt if dt > 0 and n else 0.0,
             final_loss=float(np.mean(losses[-10:])) if losses else None,
             epochs=(last_pos or {}).get("epoch") if isinstance(last_pos, dict) else None,
-            checkpoint=_with_device_bytes(self.ckpt.stats.as_dict(), io1 - io0 if io0 >= 0 else -1, n),
+            checkpoint=_with_device_bytes(self.ckpt.stats.as_dict(), io1 - io0 if io0 >= 0 else -1, n)
+            | ({"writer": self.writer} if o.checkpoint == "undo" else {}),
             recovered=self.recovery.as_dict() if self.recovery else None,
             eval=evals, pool_stats=self.pool.stats.as_dict(),
             distributed=None if self.dist is None else {

@@ -341,3 +341,39 @@ def test_pmem_shm_and_power_sim_tiers_train_to_the_same_digest(tmp_path):
             if (pool / "pool.json").exists():
                 destroy_pool(pool)
     assert len(set(digests.values())) == 1, digests
+
+
+# --------------------------------------------------------------------------- where the journal writer runs
+
+
+def test_the_journal_writer_runs_inline_only_where_it_never_waits_for_a_device_and_no_core_is_spare():
+    from dlrm_cxl.options import resolve_writer
+    # auto: inline on a tier whose copies are durable by themselves, when torch's threads take
+    # every core; its own thread with a core to spare, on journaled tiers (an fdatasync to
+    # overlap) and with several ranks
+    assert resolve_writer("auto", journaled=False, cores=2, threads=2) == "inline"
+    assert resolve_writer("auto", journaled=False, cores=4, threads=2) == "thread"
+    assert resolve_writer("auto", journaled=True, cores=2, threads=2) == "thread"
+    assert resolve_writer("auto", journaled=False, ranks=2, cores=2, threads=2) == "thread"
+    # asked for: as asked, on any tier
+    assert resolve_writer("inline", journaled=True, cores=64, threads=1) == "inline"
+    assert resolve_writer("thread", journaled=False, cores=1, threads=2) == "thread"
+    with pytest.raises(ValueError, match="auto, thread, inline"):
+        resolve_writer("background", journaled=False)
+    with pytest.raises(ValueError, match="--writer must be one of auto, thread, inline, got 'background'"):
+        Trainer(TrainOptions(pool="unused", steps=1, writer="background"), TINY)
+
+
+@pytest.mark.parametrize("tier", ["shm", "pmem"])
+def test_an_inline_journal_writer_trains_the_same_state_as_a_threaded_one(tmp_path, tier):
+    threaded, d_thread = train(tmp_path / "thread", 6, tier=tier, writer="thread")
+    inline, d_inline = train(tmp_path / "inline", 6, tier=tier, writer="inline")
+    assert (threaded.checkpoint["writer"], inline.checkpoint["writer"]) == ("thread", "inline")
+    assert d_inline == d_thread
+    # (that a crash then loses only the step in flight: the shm-inline column of
+    # test_recovery.py's crash matrix)
+    assert inline.checkpoint["commit_wait_seconds"] < 1e-3 and inline.checkpoint["checkpoints"] == 7
+    with MemoryPool.open(tmp_path / "inline", read_only=True) as pool:
+        assert checkpoint_status(pool)["committed_step"] == 6
+    for p in ("thread", "inline"):
+        destroy_pool(tmp_path / p)
