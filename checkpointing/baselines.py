@@ -23,6 +23,15 @@ Both are synchronous: a checkpoint finishes inside ``commit`` before the next st
 crash loses at most the steps since the last multiple of ``every`` (``every - 1`` completed
 steps plus the unfinished one).
 
+* :class:`BytesFloorCheckpointer` -- not a checkpointer at all, but the physical floor of the undo
+  log's recovery point *inside a training step*: it moves exactly the bytes a recovery point
+  moves and nothing else (the touched rows gathered into a reusable buffer -- before the update
+  on a direct tier, after it on a journaled one, as the undo log does -- the dense state's
+  tensors copied into another, and a crc32c of both), on the trainer's thread, and makes
+  nothing durable. ``tools/bench_train.py --checkpoints none,floor,undo`` runs it side by side
+  with the real thing: what the undo log costs beyond it is its own overhead (records, Python,
+  the journal), what it costs over ``none`` is the price of those bytes on this machine.
+
 Stats (:class:`~checkpointing.base.CheckpointStats`): ``critical_seconds`` is all the time spent
 in the checkpointer's calls (tracking rows, gathering, serialising, writing, fsync);
 ``checkpoints`` counts files made durable; bytes made durable are split as
@@ -45,15 +54,17 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from memory_pool import MemoryPool
 from memory_pool.durable import atomic_write
+from memory_pool.records import crc32c_extend
 
 from .base import Checkpointer, CheckpointStats, Step, Touched
 
-__all__ = ["FullSaveCheckpointer", "IncrementalCheckpointer", "durable_torch_save", "baseline_dir",
-           "load_full", "apply_increments"]
+__all__ = ["FullSaveCheckpointer", "IncrementalCheckpointer", "BytesFloorCheckpointer", "durable_torch_save",
+           "baseline_dir", "load_full", "apply_increments"]
 
 DenseStateFn = Callable[[int], dict]
 
@@ -193,6 +204,78 @@ class IncrementalCheckpointer(_Synchronous):
         # The failed step's rows were recorded as changed; if they were not, writing their
         # current values again is harmless. Nothing to undo in memory: no before-images here.
         self._cur = None
+
+
+class BytesFloorCheckpointer(Checkpointer):
+    """The bytes of a recovery point, copied and checksummed on the trainer's thread, made
+    durable nowhere. FOR BENCHMARKS ONLY (see the module docstring): a crash loses everything
+    since the pool was opened."""
+
+    name = "floor"
+
+    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, **_):
+        self.pool = pool
+        self.dense_state = dense_state
+        self.stats = CheckpointStats()
+        self._cur: Step | None = None
+        self._rows: dict = {}                       # reusable gather buffers, per row size
+        self._dense = torch.empty(0, dtype=torch.uint8)
+
+    def begin_step(self, step: int) -> None:
+        self._cur = Step(step)
+
+    def log_before_image(self, touched: Touched) -> None:
+        t0 = time.perf_counter()
+        self._cur.touched = list(touched)
+        if not self.pool.journaled:
+            self.stats.log_bytes += self._copy_rows()   # before-images: before the update
+        self.stats.critical_seconds += time.perf_counter() - t0
+
+    def persist(self) -> None:
+        pass
+
+    def update(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def commit(self, step: int, *, final: bool = False) -> None:
+        t0 = time.perf_counter()
+        self.stats.steps += 1
+        if self.pool.journaled and self._cur is not None:
+            self.stats.table_bytes_persisted += self._copy_rows()   # after-images: after it
+        tensors = [t.detach().reshape(-1).view(torch.uint8) for t in _tensors(self.dense_state(step))]
+        n = sum(t.numel() for t in tensors)
+        if self._dense.numel() < n:
+            self._dense = torch.empty(n, dtype=torch.uint8)
+        torch.cat(tensors, out=self._dense[:n])
+        crc32c_extend(0, self._dense[:n].numpy())
+        self.stats.dense_bytes += n
+        self.stats.checkpoints += 1
+        self.stats.last_commit_step = step
+        self.stats.critical_seconds += time.perf_counter() - t0
+        self._cur = None
+
+    def _copy_rows(self) -> int:
+        n = 0
+        for _, rows in self.pool.gather_row_groups(self._cur.touched, self._rows):
+            raw = rows.view(torch.uint8)
+            crc32c_extend(0, raw.numpy())
+            n += raw.numel() + 8 * rows.shape[0]   # (counted as the journal counts them: rows and ids)
+        return n
+
+
+def _tensors(x):
+    """Every tensor (and numpy array) of a nested dense state, in order."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, np.ndarray):
+        yield torch.from_numpy(np.ascontiguousarray(x))
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            if isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)):
+                yield from _tensors(v)
 
 
 def load_full(path) -> dict:

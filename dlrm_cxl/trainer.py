@@ -102,7 +102,7 @@ class Trainer:
         if o.checkpoint == "undo":
             extra["inline"] = self.writer == "inline"
         self.dense_every = o.dense_every or default_dense_every(self.pool)
-        self.ckpt = ckpt_cls(self.pool, self._live_dense_state, dense_every=self.dense_every, crash=self.crash,
+        self.ckpt = ckpt_cls(self.pool, self.live_dense_state, dense_every=self.dense_every, crash=self.crash,
                              **extra)
         if created:
             self.step = 0
@@ -130,8 +130,9 @@ class Trainer:
         the loop does this for every batch it takes from its source)."""
         self._positions = {self.step: self._positions.get(self.step), k: position}
 
-    def _live_dense_state(self, step: int) -> dict:
-        # For the checkpointer, which packs (copies) the tensors into its buffer at once.
+    def live_dense_state(self, step: int) -> dict:
+        """:meth:`dense_state` with the live tensors instead of copies: for a checkpointer that
+        copies them at once (and before the next dense optimizer step)."""
         return self._dense_state(step, copy=False)
 
     def _load_dense(self, state: dict) -> None:

@@ -778,3 +778,38 @@ def test_the_dense_state_packed_off_thread_is_the_committed_one_even_when_update
         for k in (1, 2):
             step, state = committed_state(p, k)
             assert step == k and torch.equal(state["model"]["w"], torch.full((4,), float(k))), (k, state["model"]["w"])
+
+
+@pytest.mark.parametrize("tier", ["shm", "pmem"])
+def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_nothing(tmp_path, tier):
+    """tools/bench_train.py's ``floor`` variant is the undo log's physical floor: the same row
+    and dense bytes copied and checksummed per step, nothing written to the journal."""
+    from checkpointing.baselines import BytesFloorCheckpointer
+    from dlrm_cxl.model import PRESETS
+
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "tools" / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = PRESETS["tiny"]
+    batches = bench.make_batches(cfg, 4)
+    undo = bench.PoolVariant("undo", cfg, batches, tmp_path, tier=tier, checkpoint="undo")
+    floor = bench.PoolVariant("floor", cfg, batches, tmp_path, tier=tier, live_dense=True,
+                              ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds))
+    moved = {}
+    try:
+        for v in (undo, floor):
+            v.setup()
+            before = v.stats.as_dict()
+            records = v.trainer.pool.journal.next_seq
+            v.steps(3)
+            after = v.stats.as_dict()
+            moved[v.name] = {k: after[k] - before[k] for k in ("log_bytes", "table_bytes_persisted", "dense_bytes")}
+            moved[v.name]["records"] = v.trainer.pool.journal.next_seq - records
+    finally:
+        undo.close()
+        floor.close()
+    rows = moved["undo"]["log_bytes"] + moved["undo"]["table_bytes_persisted"]
+    assert rows > 0 and moved["floor"]["log_bytes"] + moved["floor"]["table_bytes_persisted"] == rows
+    # The undo log's dense record also holds the state's description (JSON): a few KB a step.
+    assert 0 < moved["undo"]["dense_bytes"] - moved["floor"]["dense_bytes"] < 3 * 16384
+    assert moved["undo"]["records"] > 0 and moved["floor"]["records"] == 0

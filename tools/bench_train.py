@@ -57,6 +57,7 @@ from dlrm_cxl.data import Prefetcher, SyntheticData  # noqa: E402
 from dlrm_cxl.model import PRESETS, ModelConfig, torchrec_dlrm  # noqa: E402
 from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec  # noqa: E402
 from dlrm_cxl.trainer import io_write_bytes as _io_write_bytes  # noqa: E402
+from checkpointing.baselines import BytesFloorCheckpointer  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
@@ -141,12 +142,15 @@ class PoolVariant:
 
     ``ckpt_factory(pool, dense_state_fn)``, when given, replaces the trainer's checkpointer
     (built with ``--checkpoint none``) before any step: how the baselines are measured.
+    ``live_dense``: the factory gets the trainer's live dense state (no copies:
+    ``Trainer.live_dense_state``) instead of copies.
     """
 
     def __init__(self, name: str, cfg: ModelConfig, batches: list, workdir: Path, *, tier: str,
                  checkpoint: str = "undo", dense_every: int = 1,
-                 ckpt_factory: Callable | None = None, seed: int = 0):
+                 ckpt_factory: Callable | None = None, seed: int = 0, live_dense: bool = False):
         self.name, self.cfg, self.batches = name, cfg, batches
+        self.live_dense = live_dense
         self.tier, self.checkpoint, self.dense_every = tier, checkpoint, dense_every
         self.ckpt_factory = ckpt_factory
         self.path = workdir / ("pool-" + name.replace("/", "-").replace(" ", "").replace("=", ""))
@@ -163,7 +167,8 @@ class PoolVariant:
         self.trainer = Trainer(o, self.cfg, log=lambda s: None)
         if self.ckpt_factory is not None:
             self.trainer.ckpt.close()
-            self.trainer.ckpt = self.ckpt_factory(self.trainer.pool, self.trainer.dense_state)
+            tr = self.trainer
+            self.trainer.ckpt = self.ckpt_factory(tr.pool, tr.live_dense_state if self.live_dense else tr.dense_state)
         self.k = self.trainer.step
         self.durability = self.trainer.pool.durability
 
@@ -336,7 +341,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="timed windows per variant (default 5)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
     p.add_argument("--tiers", default="shm,pmem,power-sim", help="comma-separated (default shm,pmem,power-sim)")
-    p.add_argument("--checkpoints", default="none,undo", help="comma-separated subset of none,undo")
+    p.add_argument("--checkpoints", default="none,undo",
+                   help="comma-separated subset of none,floor,undo (floor: the bytes of a recovery point copied "
+                        "and checksummed, nothing else: checkpointing.baselines.BytesFloorCheckpointer)")
     p.add_argument("--dense-every", type=int, default=1, help="undo variants: dense snapshot every N steps")
     p.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec reference")
     p.add_argument("--num-batches", type=int, default=32, help="distinct pre-generated batches, cycled")
@@ -374,8 +381,14 @@ def main(argv=None) -> int:
     variants: list = []
     for t in tiers:
         for c in ckpts:
-            variants.append(PoolVariant(f"{t}/{c}", cfg, batches, workdir, tier=t, checkpoint=c,
-                                        dense_every=a.dense_every))
+            if c == "floor":
+                variants.append(PoolVariant(f"{t}/floor", cfg, batches, workdir, tier=t, live_dense=True,
+                                            ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds)))
+            elif c in ("none", "undo"):
+                variants.append(PoolVariant(f"{t}/{c}", cfg, batches, workdir, tier=t, checkpoint=c,
+                                            dense_every=a.dense_every))
+            else:
+                raise SystemExit(f"--checkpoints: unknown {c!r} (none, floor, undo)")
     if not a.no_torchrec:
         variants.append(TorchRecVariant(cfg, batches, workdir))
     crit: dict[str, list[float]] = {v.name: [] for v in variants}
@@ -417,7 +430,8 @@ def main(argv=None) -> int:
     for v in variants:
         xs = res[v.name]
         m = median(xs)
-        paired = paired_ratios(xs, res.get(v.name.split("/")[0] + "/none", [])) if v.name.endswith("/undo") else []
+        paired = paired_ratios(xs, res.get(v.name.split("/")[0] + "/none", [])) \
+            if v.name.endswith(("/undo", "/floor")) else []
         rows.append([
             v.name, f"{m:,.0f}", f"{min(xs):,.0f}-{max(xs):,.0f}", f"{1e3 * cfg.batch_size / m:.1f}",
             f"{m / ref:.2f}x" if ref else "-", f"{1e3 * median(cpu[v.name]):.0f}",
