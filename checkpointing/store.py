@@ -39,10 +39,21 @@ from memory_pool.records import Fill
 __all__ = ["ckpt_dir", "RUNNING_MARKER", "DensePacker", "unpack_dense", "commit_doc", "is_commit"]
 
 RUNNING_MARKER = "RUNNING-WITHOUT-UNDO"
+_INT = {int}
 _LEN = struct.Struct("<I")
 _NP = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
        "uint8": torch.uint8, "uint32": torch.int32, "bool": torch.bool, "float16": torch.float16,
        "bfloat16": torch.bfloat16}
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def ckpt_dir(storage_dir: Path) -> Path:
@@ -76,7 +87,7 @@ class DensePacker:
                     t = t.cpu()
                 if not t.is_contiguous():
                     t = t.contiguous()
-                table.append([str(t.dtype).removeprefix("torch."), list(t.shape)])
+                table.append([_dtype_name(t.dtype), list(t.shape)])
                 tensors.append(t)
                 return {"__t__": len(tensors) - 1}
             if isinstance(x, np.ndarray):
@@ -87,8 +98,8 @@ class DensePacker:
                     raise TypeError(f"dense state keys must be str or int, got {list(x)[:3]}")
                 return {"__d__": [[k, walk(v)] for k, v in x.items()]}
             if isinstance(x, (tuple, list)):
-                # Python's RNG state is a tuple of 625 ints: one pass, not 625 calls.
-                flat = list(x) if all(type(v) is int for v in x) else [walk(v) for v in x]
+                # Python's RNG state is a tuple of 625 ints: one pass in C, not 625 calls.
+                flat = list(x) if set(map(type, x)) <= _INT else [walk(v) for v in x]
                 return {"__tuple__": flat} if isinstance(x, tuple) else flat
             if isinstance(x, (np.integer, np.floating)):
                 return x.item()
