@@ -9,10 +9,13 @@ from pathlib import Path
 from .durable import json_crc, json_with_crc, parse_json_object
 from .errors import PoolCorruptError, PoolFormatError, PoolVersionError
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "HEADER", "header_bytes", "read_header"]
+__all__ = ["MAGIC", "FORMAT_VERSION", "RUNS_FORMAT_VERSION", "READABLE_VERSIONS", "HEADER", "header_bytes",
+           "read_header"]
 
 MAGIC = "dlrm-cxl-pool"
 FORMAT_VERSION = 2   # 2: journal (byte-granular persistence), the checkpointer's records in it
+RUNS_FORMAT_VERSION = 3   # 2 + a row overlay (runs/, memory_pool/overlay.py): set before its first manifest
+READABLE_VERSIONS = (FORMAT_VERSION, RUNS_FORMAT_VERSION)
 HEADER = "pool.json"
 
 
@@ -35,7 +38,8 @@ def read_header(path: Path) -> dict:
     crc = json_crc(doc)
     if doc.get("crc32") != crc:
         raise PoolCorruptError(f"{hp}: header checksum mismatch (stored {doc.get('crc32')}, computed {crc})")
-    if doc.get("format_version") != FORMAT_VERSION:
+    if doc.get("format_version") not in READABLE_VERSIONS:
         raise PoolVersionError(
-            f"{hp}: pool format version {doc.get('format_version')}, this dlrm-cxl reads version {FORMAT_VERSION}")
+            f"{hp}: pool format version {doc.get('format_version')}, this dlrm-cxl reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}")
     return doc

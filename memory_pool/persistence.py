@@ -185,13 +185,16 @@ def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample:
     return pages.numel()
 
 
-def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True) -> set[str]:
+def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
+                dense: float | None = None) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
     sorted and coalesced (compaction); or (``coalesce=False``: a few segments at a time, as they
     are sealed) record after record in journal order, the newest landing last -- no sort, and
     no table-sized scratch per call (~0.1 s per call on `kaggle`'s 10M-row tables). Not synced:
     returns the names of the tables written, which the caller makes durable (fdatasync) before
-    the records are dropped."""
+    the records are dropped. ``overlay`` (a compaction of a pool with a row overlay,
+    memory_pool/overlay.py): the newest values go to :meth:`Overlay.absorb` instead, which writes
+    the dense pages home and keeps the other rows for its new run (``dense``: its threshold)."""
     parts: dict[str, list] = {}
     for ref, payload in journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
         for name, ids, raw in decode_row_set(payload):
@@ -200,7 +203,9 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
             parts.setdefault(name, []).append((ids, raw))
     for name, p in parts.items():
         region = tables[name]._region
-        if coalesce:
+        if overlay is not None:
+            overlay.absorb(name, *latest(p, region.rows), **({} if dense is None else {"dense": dense}))
+        elif coalesce:
             stats.bytes_written_back += region.write_back(*latest(p, region.rows))
         else:
             stats.bytes_written_back += region.write_back_in_order(p)

@@ -37,7 +37,7 @@ import torch
 from .durable import atomic_write
 from ._native import libpmem
 from .cache import RowCache
-from .header import FORMAT_VERSION, HEADER, MAGIC, header_bytes, read_header
+from .header import FORMAT_VERSION, HEADER, MAGIC, RUNS_FORMAT_VERSION, header_bytes, read_header
 from .table import PoolStats, Table, TableConfig
 from .validation import env_mib, is_int, json_copy, validate_ids, validate_init, validate_table_config
 from .errors import (
@@ -58,6 +58,7 @@ from .threads import one_intra_op_thread
 from .arena import Arena, page_round
 from .journal import Journal, RecordType
 from .ondemand import PendingRows
+from .overlay import DEFAULT_BOUND, MANIFEST, RUNS_DIR, Overlay
 from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
                           replay_rows)
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
@@ -69,6 +70,13 @@ __all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "dest
 # How an open applies the journal's committed rows to the working copy: all before it returns,
 # or each when first needed (memory_pool/ondemand.py).
 REPLAY_MODES = ("eager", "on-demand")
+
+# A journaled pool whose tables hold more than this keeps a row overlay (memory_pool/overlay.py)
+# of DEFAULT_BOUND bytes: there most rows a compaction writes back are alone in their page
+# (`kaggle`); below it most pages a compaction writes are dense anyway (`small`: WA 1.18 in
+# place). DLRM_CXL_RUNS_MB overrides the bound (0: none; a pool that has runs then writes them
+# all home at its next compaction).
+OVERLAY_FROM_BYTES = 2 << 30
 
 
 # --------------------------------------------------------------------------- pool
@@ -135,6 +143,7 @@ class MemoryPool:
         self.path = Path(path)
         self._rows = rows
         self._pending: PendingRows | None = None   # on-demand replay's rows still to apply
+        self._overlay: Overlay | None = None       # the row overlay's runs (memory_pool/overlay.py)
         self._header = header
         self.read_only = read_only
         self._lock_fd = lock_fd
@@ -180,7 +189,11 @@ class MemoryPool:
             self._mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / "journal"] + [
                 self.storage_dir / "tables" / f"{t['name']}.bin" for t in self._header["tables"]], self.path) \
                 if self.journaled and self.tier == "pmem" else None
-            since = (self._mark.read() if self._mark is not None else None) or 0
+            runs_dir = self.storage_dir / RUNS_DIR
+            has_runs = self.journaled and rows and (runs_dir / MANIFEST).exists()
+            # (With runs, every journal row is replayed: a row below the mark that the images'
+            # page cache holds may have an older value in a run, which would win over the image.)
+            since = 0 if has_runs else ((self._mark.read() if self._mark is not None else None) or 0)
             # Every ROWS record below this is in the images' page cache (a compaction, or an
             # apply, wrote it there); those above are only in the journal (and this process).
             self._applied = max(since, self.journal.start_seq)
@@ -196,12 +209,23 @@ class MemoryPool:
             for cfg in cfgs if rows else ():
                 share = dram_cache_bytes * cfg.nbytes // total if split else None
                 self._tables[cfg.name] = self._attach(cfg, create=False, share=share)
+            if has_runs:
+                # The runs' rows: pending until first read (on demand) or all applied below
+                # (eager); a row the journal holds is the journal's (newer).
+                self._overlay = Overlay(runs_dir, read_only=read_only)
+                self._overlay.attach({n: t._region for n, t in self._tables.items()},
+                                     {n: torch.cat([ids for ids, _ in parts]) for n, parts in plan.items()})
             if plan and window is not None:
                 self._pending = PendingRows(plan, {n: t._region for n, t in self._tables.items()}, window,
                                             on_apply=self._count_replayed)
                 self.stats.rows_deferred = self._pending.remaining
             elif plan:
                 self._replay(plan)
+            if self._overlay is not None:
+                if replay == "eager":
+                    self.stats.run_rows_replayed += self._overlay.take_all()
+                else:
+                    self.stats.rows_deferred += self._overlay.pending_rows
             if split:
                 self._dram_left = 0
             self.stats.open_seconds = time.perf_counter() - t_open
@@ -230,17 +254,44 @@ class MemoryPool:
 
         def absorb(refs):
             # Most segments were written back already, one by one as they were sealed (apply):
-            # what is left of them is only made durable here.
-            self._write_back(refs)
-            self._sync_images()
+            # what is left of them is only made durable here. With a row overlay, the order of
+            # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
+            # then the manifest; the journal's START moves after this returns (reclaim).
+            ov = self._compaction_overlay()
+            try:
+                if ov is not None:
+                    bound = self.overlay_bound
+                    ov.begin()
+                    self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else None)
+                    ov.clean(bound)
+                    self.stats.bytes_to_runs += ov.write()
+                    self._unsynced |= ov.tables_home
+                else:
+                    self._write_back(refs)
+                self._sync_images()
+                if ov is not None and ov.changed:
+                    if self._header.get("format_version") != RUNS_FORMAT_VERSION:
+                        # Before the first manifest: a dlrm-cxl that knows no runs refuses the
+                        # pool instead of reading images that no longer hold every row.
+                        self._write_header(format_version=RUNS_FORMAT_VERSION)
+                    ov.commit()
+                if ov is not None:
+                    self.stats.bytes_written_back += ov.written_home
+            except BaseException as exc:
+                if ov is not None:
+                    ov.fail(exc)
+                raise
             # Rows replayed on demand that no step has needed yet point into segments about to
             # be dropped (or reused): apply them now, while the write-back has their image pages
             # in the page cache. In chunks: a step that needs rows meanwhile waits for one.
-            self._apply_pending(chunk=1 << 16)
+            # (Rows pending from runs stay pending: their runs are kept, see Overlay.finish.)
+            self._apply_pending(chunk=1 << 16, runs=False)
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
             self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self.journaled else None)
+            if self._overlay is not None:
+                self._overlay.finish()  # (after START moved: the cleaned runs' files go)
             if self.journaled and self.journal.start_seq > self._applied:
                 self._applied = self.journal.start_seq
                 self._vouch()
@@ -268,6 +319,10 @@ class MemoryPool:
         self._check_writable()
         if not self.journaled or self.journal.sealed_bytes(self._applied) < max(1, min_bytes):
             return None
+        if self._overlay is not None or self.overlay_bound:
+            # (Rows written into the images' page cache reach the disk a page each: what the
+            # overlay exists to avoid; and with runs every open replays the whole journal.)
+            return None
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -284,11 +339,32 @@ class MemoryPool:
         return self._compactor.run(run, wait=wait)
 
     # (compactor thread only, or inline while none runs: _applied and _unsynced are its state)
-    def _write_back(self, refs, *, coalesce: bool = True) -> None:
-        """Write the ROWS records of ``refs`` that are not written back yet into the images."""
-        pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= self._applied]
+    def _write_back(self, refs, *, coalesce: bool = True, overlay: Overlay | None = None,
+                    dense: float | None = None) -> None:
+        """Write the ROWS records of ``refs`` that are not written back yet into the images (with
+        an ``overlay``: all of them, which it writes home or keeps in its new run)."""
+        since = self._applied if overlay is None else 0
+        pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
         if pending:
-            self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce)
+            self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
+                                          overlay=overlay, dense=dense)
+
+    @property
+    def overlay_bound(self) -> int:
+        """Bytes of runs the row overlay keeps (memory_pool/overlay.py); 0: no overlay."""
+        env = env_mib("DLRM_CXL_RUNS_MB")
+        if env is not None:
+            return env
+        return DEFAULT_BOUND if self.journaled and self.used_bytes() > OVERLAY_FROM_BYTES else 0
+
+    def _compaction_overlay(self) -> Overlay | None:
+        """The overlay a compaction writes through: the pool's, or a new one when the pool
+        should have one; None when it has none and should not."""
+        if self._overlay is None and self.journaled and self._rows and self.overlay_bound:
+            ov = Overlay(self.storage_dir / RUNS_DIR, read_only=False)
+            ov.attach({n: t._region for n, t in self._tables.items()}, {})
+            self._overlay = ov
+        return self._overlay
 
     def _sync_images(self) -> None:
         try:
@@ -391,37 +467,50 @@ class MemoryPool:
     # -- replay on demand (memory_pool/ondemand.py)
     @property
     def rows_pending(self) -> int:
-        """Journal rows an on-demand replay has not applied to the working copy yet."""
-        p = self._pending
-        return p.remaining if p is not None else 0
+        """Journal (and run) rows an on-demand replay has not applied to the working copy yet."""
+        p, ov = self._pending, self._overlay
+        return (p.remaining if p is not None else 0) + (ov.pending_rows if ov is not None else 0)
 
     def ready(self, pairs) -> None:
-        """Apply the journal's rows among ``[(table, ids)]`` (trusted ids) that an on-demand
-        replay has not applied yet: call it before reading them through :meth:`arena_tensor`
-        (``on_demand=True``). Every other row path of the pool does it itself."""
+        """Apply the journal's (and the runs') rows among ``[(table, ids)]`` (trusted ids) that
+        an on-demand replay has not applied yet: call it before reading them through
+        :meth:`arena_tensor` (``on_demand=True``). Every other row path of the pool does it itself."""
         p = self._pending
         if p is not None:
             for t, ids in pairs:
                 p.take(t.name, ids)
             self._done_if_empty(p)
+        ov = self._overlay
+        if ov is not None and ov.pending_rows:
+            for t, ids in pairs:
+                self.stats.run_rows_replayed += ov.take(t.name, ids)
 
     def _ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
         p = self._pending
         if p is not None:
             p.take(name, ids)
             self._done_if_empty(p)
+        ov = self._overlay
+        if ov is not None and ov.pending_rows:
+            self.stats.run_rows_replayed += ov.take(name, ids)
 
-    def _apply_pending(self, *, chunk: int | None = None) -> None:
+    def _apply_pending(self, *, chunk: int | None = None, runs: bool = True) -> None:
         p = self._pending
         if p is not None:
             p.take_all(chunk=chunk)
             self._done_if_empty(p)
+        ov = self._overlay
+        if runs and ov is not None and ov.pending_rows:
+            self.stats.run_rows_replayed += ov.take_all()
 
     def _forget_pending(self, name: str) -> None:
         p = self._pending
         if p is not None:
             p.forget(name)
             self._done_if_empty(p)
+        if self._overlay is not None:
+            self.wait_compaction()     # (not while a compaction decides where its rows go)
+            self._overlay.forget(name)
 
     def _count_replayed(self, n: int) -> None:
         self.stats.rows_replayed += n  # (called under the PendingRows' lock: no count is lost)
@@ -677,7 +766,7 @@ class MemoryPool:
         return {
             "path": str(self.path),
             "pool_id": self.pool_id,
-            "format_version": FORMAT_VERSION,
+            "format_version": self._header.get("format_version", FORMAT_VERSION),
             "tier": self.tier,
             "durability": self.durability,
             "storage_dir": str(self.storage_dir),
@@ -690,6 +779,7 @@ class MemoryPool:
                 for t in self._tables.values()
             ],
             "meta": self.meta,
+            "overlay": self._overlay.describe() if self._overlay is not None else None,
         }
 
     # -- changes
@@ -813,6 +903,9 @@ class MemoryPool:
         self._closed = True
         self._compactor.shutdown()
         self._pending = None
+        if self._overlay is not None:
+            self._overlay.close()
+            self._overlay = None
         if self.journal is not None:
             self.journal.close()
         for t in self._tables.values():

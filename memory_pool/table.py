@@ -64,7 +64,9 @@ class PoolStats:
     applies: int = 0                # write-back passes of sealed journal segments between compactions (unsynced)
     rows_replayed: int = 0          # journal rows written into the working copy (at the open, or on demand)
     open_seconds: float = 0.0       # the open itself: header, journal scan, replay (eager) or its index (on demand)
-    rows_deferred: int = 0          # of those, rows an on-demand replay left to apply when first needed
+    rows_deferred: int = 0          # rows an on-demand replay left to apply when first needed (journal and runs)
+    run_rows_replayed: int = 0      # rows of the row overlay's runs written into the working copy
+    bytes_to_runs: int = 0          # bytes of run files the row overlay wrote (memory_pool/overlay.py)
     pages_prefetched: int = 0       # image pages asked for before that replay (0 when they were cached)
     compact_seconds: float = 0.0    # wall time of the compactions and applies (on their background thread)
     compact_cpu_seconds: float = 0.0  # CPU of the compactor's thread (not torch's worker threads)

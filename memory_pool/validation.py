@@ -18,14 +18,16 @@ __all__ = ["is_int", "validate_table_config", "validate_ids", "validate_values",
 
 # The journal's size knobs (MiB): segment size (memory_pool.pool), compaction threshold and
 # write-back pass size (checkpointing.undo).
-JOURNAL_ENV = ("DLRM_CXL_SEGMENT_MB", "DLRM_CXL_COMPACT_MB", "DLRM_CXL_APPLY_MB")
+JOURNAL_ENV = ("DLRM_CXL_SEGMENT_MB", "DLRM_CXL_COMPACT_MB", "DLRM_CXL_APPLY_MB", "DLRM_CXL_RUNS_MB")
+ZERO_OK_ENV = ("DLRM_CXL_RUNS_MB",)   # 0 means "off" for these
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 def env_mib(name: str) -> int | None:
     """The size in bytes that environment variable ``name`` gives in MiB (a number > 0, e.g.
-    ``0.25``), or None when it is not set. The knobs of the journal's sizes (tests, torture)."""
+    ``0.25``; also 0 for the knobs of ``ZERO_OK_ENV``), or None when it is not set. The knobs of
+    the journal's sizes (tests, torture)."""
     raw = os.environ.get(name)
     if not raw:
         return None
@@ -33,10 +35,11 @@ def env_mib(name: str) -> int | None:
         mib = float(raw)
     except ValueError:
         mib = float("nan")
-    if not (mib > 0 and math.isfinite(mib)):
-        raise InvalidConfigError(f"{name} must be a number of MiB > 0, got {raw!r}",
+    zero_ok = name in ZERO_OK_ENV
+    if not ((mib > 0 or zero_ok and mib == 0) and math.isfinite(mib)):
+        raise InvalidConfigError(f"{name} must be a number of MiB > {'= ' if zero_ok else ''}0, got {raw!r}",
                                  hint=f"unset {name} for the default, or give e.g. {name}=0.25")
-    return max(1, int(mib * (1 << 20)))
+    return 0 if mib == 0 else max(1, int(mib * (1 << 20)))
 
 
 def validate_journal_env() -> None:

@@ -1,0 +1,644 @@
+"""The row overlay: rows a compaction keeps out of the table images, packed in runs.
+
+Why (issue #9's write amplification). On a journaled tier (emulated pmem, power-sim) a compaction
+writes the newest value of every row of ~1 GiB of journal back into the table images, in place.
+A 256-byte row alone in its 4 KiB page costs the whole page: on ``kaggle`` (33.8 M rows) most rows
+a compaction writes back are alone in their page, and the write-back costs 1.75x the journal's
+bytes (write amplification 2.75, ``tools/writeback_model.py``). With the overlay a compaction writes
+in place only the pages where at least a quarter of the bytes changed (rows already carried in the
+overlay counted in); every other row of its window is appended, packed, to one new **run** (a
+256-byte row costs 264 bytes there, its id included, not 4 KiB). Runs are cleaned first in, first
+out: while they hold more than the overlay's bound (2 GiB by default), the oldest run's rows that
+are still the newest value of their row move into the new run and the oldest run is dropped (or,
+when the rows still carried would fill most of the bound by themselves, they go home in place).
+Modelled on ``kaggle``'s ids over 9,600 steps (80 GB of journal): WA 1.43 in the steady state
+against 2.75 in place (``tools/writeback_model.py --steady 9600 --cap 2048``).
+
+Where a row's newest durable value lives: in the journal if it holds the row (newest first); else
+in the newest run holding it, unless a newer run holds a **tombstone** for it (the row was written
+home in place since); else in the image. In memory, ``where[table][row]`` is the slot of the run
+holding its newest run value (0: the image).
+
+Layout of ``<pool>/runs/``::
+
+    MANIFEST              the live runs, oldest first, and the next generation number (JSON with
+                          a crc32; replaced atomically and durably): a run counts from the moment
+                          the manifest names it, and stops counting when it no longer does
+    run-<gen, 16 hex>.bin one compaction's run
+
+Run file (``RUN``): a 4 KiB header block (magic ``DCXRUN01``, version, generation, tables, where
+the index and the rows are, the block size, crc32c); the **index** (per table: name, row size,
+rows, tombstones, where its rows start; then every table's ids and tombstones, sorted int64; then
+one crc32c per 4 KiB block of the rows; a crc32c of all of it); the rows, packed, table after
+table, from a page-aligned offset.
+
+A compaction, in this order (SQLite's rule: the commit marker last, and durably):
+
+1. the rows of dense pages go into the images (through the page cache), the others into the new
+   run's file; a carried row that goes home in place gets a tombstone in the new run;
+2. the run file is fdatasync'ed, and so are the images (the pool does it);
+3. the manifest is replaced: the new run counts, the cleaned runs no longer do. (The first time,
+   the pool's header says format version 3 first, so that a dlrm-cxl that does not know runs
+   refuses the pool instead of reading its images as if they were complete.)
+4. the journal's START moves past the window (its segments are dropped: the journal's part);
+5. the files of the cleaned runs are deleted.
+
+A crash before 3 leaves the old manifest and the whole journal: opening replays the journal over
+the old runs, the same values as before. A crash between 3 and 4 leaves the new manifest and the
+whole journal: the journal replays the same values over the new runs. Files that no manifest
+names (a run written before a crash, a cleaned one not deleted yet) are removed by the next writer.
+
+Damage: a run's header and index are verified when the pool opens (``RunCorruptError``, exit 4,
+nothing changed; a run the manifest names and the directory lacks is damage too); its rows are
+verified a 4 KiB block at a time when they are first read (replay, cleaning, a write home), and a
+block that fails raises the same error before any of its rows is used -- reading every run at
+every open would cost ~1.3 s per 2 GiB after a power loss.
+
+Opening applies the runs' rows to the working copy like the journal's (``replay``): eagerly, or on
+demand -- a row is copied in when it is first read (:meth:`Overlay.take`), as
+:mod:`memory_pool.ondemand` does for the journal's rows, which are newer and so take precedence:
+a row the journal holds is never taken from a run.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .arena import PAGE, page_round
+from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc, parse_json_object, pwrite_all, raise_if_full
+from .errors import PoolCorruptError
+from .records import crc32c_extend
+
+__all__ = ["Overlay", "Run", "RunCorruptError", "write_run", "RUNS_DIR", "MANIFEST", "DEFAULT_BOUND",
+           "DENSE_FRACTION"]
+
+RUNS_DIR = "runs"
+MANIFEST = "MANIFEST"
+RUN_MAGIC = b"DCXRUN01"
+RUN_VERSION = 1
+BLOCK = 4096                      # rows are verified this much at a time
+HEAD = struct.Struct("<8sIIQQQQQI")   # magic, version, tables, gen, index off, index len, data off, data len, block
+ENTRY = struct.Struct("<HIQQQ")       # name length, row bytes, rows, tombstones, rows' start in the data
+DEFAULT_BOUND = 2 << 30           # bytes of runs kept (the model: 2 GiB reach WA 1.43 on kaggle; 1 GiB do not)
+DENSE_FRACTION = 0.25             # a page with at least this much of it changed is written home in place
+EVICT_FRACTION = 0.75             # carried rows past this much of the bound go home instead of moving on
+
+
+class RunCorruptError(PoolCorruptError):
+    """A run file of the row overlay, or its manifest, is damaged, truncated or missing."""
+
+    exit_code = 4
+    default_hint = "the pool's row overlay (runs/) is damaged; restore the pool from a copy (nothing was changed)"
+
+
+@dataclass
+class RunTable:
+    row_bytes: int
+    ids: torch.Tensor      # sorted, distinct int64: the rows this run holds a value of
+    tombs: torch.Tensor    # sorted, distinct int64: rows whose older run values no longer count
+    start: int             # byte offset of its rows in the run's data
+
+
+@dataclass
+class Run:
+    """One run file, opened: header and index verified, rows mapped (verified per block when
+    read). ``slot``: its number in ``where`` (1..32767)."""
+
+    path: Path
+    gen: int
+    nbytes: int
+    tables: dict[str, RunTable]
+    data: torch.Tensor | None          # uint8 over the mapped rows
+    crcs: np.ndarray                   # crc32c per BLOCK of the rows
+    verified: np.ndarray = field(repr=False, default=None)
+    slot: int = 0
+    _mm: mmap.mmap | None = field(repr=False, default=None)
+
+    @classmethod
+    def open(cls, path: Path) -> "Run":
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise RunCorruptError(f"run {path} is missing (its manifest names it)") from None
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, HEAD.size + 4, 0)
+            if len(head) != HEAD.size + 4 or head[:8] != RUN_MAGIC:
+                raise RunCorruptError(f"run {path}: not a run file, or its header is truncated")
+            if crc32c_extend(0, head[:HEAD.size]) != struct.unpack_from("<I", head, HEAD.size)[0]:
+                raise RunCorruptError(f"run {path}: header fails its checksum")
+            _, version, ntables, gen, ioff, ilen, doff, dlen, block = HEAD.unpack_from(head)
+            if version != RUN_VERSION or block != BLOCK:
+                raise RunCorruptError(f"run {path}: version {version}, block {block}: not one this dlrm-cxl writes")
+            if size < doff + dlen or ioff + ilen > doff or ilen < 4:
+                raise RunCorruptError(f"run {path}: {size} bytes, its header says {doff + dlen}: truncated")
+            index = os.pread(fd, ilen, ioff)
+            if len(index) != ilen or crc32c_extend(0, index[:-4]) != struct.unpack_from("<I", index, ilen - 4)[0]:
+                raise RunCorruptError(f"run {path}: index fails its checksum")
+            tables = _parse_index(path, index, ntables, dlen)
+            nblocks = -(-dlen // BLOCK)
+            crcs = np.frombuffer(index, dtype=np.uint32, count=nblocks, offset=ilen - 4 - 4 * nblocks).copy()
+            mm = mmap.mmap(fd, dlen, mmap.MAP_SHARED, mmap.PROT_READ, offset=doff) if dlen else None
+        finally:
+            os.close(fd)
+        data = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+        return cls(path, gen, size, tables, data, crcs, np.zeros(len(crcs), dtype=bool), 0, mm)
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """The values of rows ``ids`` (sorted or not, all held by this run's table ``name``) as
+        ``[n, row_bytes]`` uint8, their blocks verified first."""
+        t = self.tables[name]
+        pos = torch.searchsorted(t.ids, ids)
+        rb = t.row_bytes
+        off = t.start + pos * rb
+        self.verify(torch.cat([off // BLOCK, (off + rb - 1) // BLOCK]))
+        return self.data[t.start:t.start + t.ids.numel() * rb].view(-1, rb).index_select(0, pos)
+
+    def verify(self, blocks: torch.Tensor | None = None) -> None:
+        """Check the crc32c of ``blocks`` (indexes; None: all) that were not checked yet."""
+        todo = np.arange(len(self.crcs)) if blocks is None else np.unique(blocks.numpy())
+        todo = todo[~self.verified[todo]]
+        if not todo.size:
+            return
+        raw = self.data.numpy()
+        for b in todo.tolist():
+            if crc32c_extend(0, raw[b * BLOCK:(b + 1) * BLOCK]) != int(self.crcs[b]):
+                raise RunCorruptError(f"run {self.path}: rows at byte {b * BLOCK} of its data fail their checksum "
+                                      f"(bit flip or foreign write)")
+        self.verified[todo] = True
+
+    def entries(self) -> int:
+        return sum(t.ids.numel() for t in self.tables.values())
+
+    def close(self) -> None:
+        self.data = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view still held: unmapped when it goes
+            self._mm = None
+
+
+def _parse_index(path: Path, index: bytes, ntables: int, dlen: int) -> dict[str, RunTable]:
+    try:
+        p = 0
+        entries = []
+        for _ in range(ntables):
+            entries.append(ENTRY.unpack_from(index, p))
+            p += ENTRY.size
+        names = []
+        for nlen, *_ in entries:
+            names.append(index[p:p + nlen].decode())
+            p += nlen
+        p = -(-p // 8) * 8
+        out = {}
+        end = 0
+        for name, (_, rb, n, nt, start) in zip(names, entries):
+            ids = torch.frombuffer(bytearray(index[p:p + 8 * n]), dtype=torch.int64) if n else \
+                torch.empty(0, dtype=torch.int64)
+            p += 8 * n
+            tombs = torch.frombuffer(bytearray(index[p:p + 8 * nt]), dtype=torch.int64) if nt else \
+                torch.empty(0, dtype=torch.int64)
+            p += 8 * nt
+            if ids.numel() != n or tombs.numel() != nt or rb < 1 or start != end:
+                raise ValueError(f"table {name!r}: its entry does not match its ids")
+            end = start + n * rb
+            out[name] = RunTable(rb, ids, tombs, start)
+        if end != dlen:
+            raise ValueError(f"its tables hold {end} bytes of rows, its header says {dlen}")
+        return out
+    except (struct.error, ValueError, UnicodeDecodeError, RuntimeError) as exc:
+        raise RunCorruptError(f"run {path}: index is malformed ({exc})") from None
+
+
+def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
+    """Write a run: ``tables[name] = (row bytes, ids sorted, rows [n, row bytes] uint8, tombstones
+    sorted)``, durably (fdatasync; its directory entry is made durable by the manifest's write).
+    Returns the file's size."""
+    names = list(tables)
+    starts, at = [], 0
+    for n in names:
+        rb, ids, _, _ = tables[n]
+        starts.append(at)
+        at += ids.numel() * rb
+    dlen = at
+    nblocks = -(-dlen // BLOCK)
+    fixed = ENTRY.size * len(names) + sum(len(n.encode()) for n in names)
+    ilen = -(-fixed // 8) * 8 + sum(8 * (tables[n][1].numel() + tables[n][3].numel()) for n in names) + 4 * nblocks + 4
+    ioff = PAGE
+    doff = page_round(ioff + ilen)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            os.ftruncate(fd, doff + dlen)   # (its size whatever its last part: a run of tombstones has no rows)
+            for n, start in zip(names, starts):
+                rows = tables[n][2]
+                if rows.numel():
+                    pwrite_all(fd, rows.contiguous().numpy(), doff + start)
+            crcs = np.zeros(nblocks, dtype=np.uint32)
+            if dlen:
+                # The rows' checksums from the file's page cache (just written), a block at a time.
+                with mmap.mmap(fd, dlen, mmap.MAP_SHARED, mmap.PROT_READ, offset=doff) as mm:
+                    data = np.frombuffer(mm, dtype=np.uint8)
+                    for b in range(nblocks):
+                        crcs[b] = crc32c_extend(0, data[b * BLOCK:(b + 1) * BLOCK])
+                    del data
+            parts = [ENTRY.pack(len(n.encode()), tables[n][0], tables[n][1].numel(), tables[n][3].numel(), s)
+                     for n, s in zip(names, starts)]
+            parts += [n.encode() for n in names]
+            index = b"".join(parts)
+            index += bytes(-len(index) % 8)
+            index += b"".join(tables[n][1].to(torch.int64).numpy().tobytes() + tables[n][3].to(torch.int64).numpy().tobytes()
+                              for n in names)
+            index += crcs.tobytes()
+            index += struct.pack("<I", crc32c_extend(0, index))
+            assert len(index) == ilen
+            pwrite_all(fd, index, ioff)
+            head = HEAD.pack(RUN_MAGIC, RUN_VERSION, len(names), gen, ioff, ilen, doff, dlen, BLOCK)
+            pwrite_all(fd, head + struct.pack("<I", crc32c_extend(0, head)), 0)
+            os.fdatasync(fd)
+            return doff + dlen
+        except OSError as exc:
+            raise_if_full(exc, f"writing run {path}")
+    except BaseException:
+        os.close(fd)
+        fd = -1
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+@dataclass
+class _Plan:
+    """A compaction in the making (see :meth:`Overlay.absorb`)."""
+
+    gen: int
+    tables: dict = field(default_factory=dict)   # name -> [row bytes, ids, rows, tombs]
+    moves: list = field(default_factory=list)    # (name, rows) moved from cleaned runs into this one
+    cleaned: list = field(default_factory=list)  # runs this compaction drops
+    written_home: int = 0                        # bytes written in place
+    home_tables: set = field(default_factory=set)  # tables written in place (to be synced)
+    run: Run | None = None
+
+
+class Overlay:
+    """The row overlay of one pool (see the module docstring): its runs, ``where`` (the newest run
+    value of every row), the rows an open has not applied to the working copy yet, and the
+    compaction's part. ``regions``: the pool's table regions by name (set by :meth:`attach`).
+    Thread-safe: the trainer, the journal writer and the compactor may take rows while a
+    compaction runs; one lock guards ``where``, the pending rows and the list of runs."""
+
+    def __init__(self, directory: Path, *, read_only: bool):
+        self.dir = Path(directory)
+        self.read_only = read_only
+        self.runs: list[Run] = []
+        self.next_gen = 1
+        self.reset: dict[str, int] = {}    # table -> generation: its entries in older runs no longer count
+        self.where: dict[str, torch.Tensor] = {}     # table -> int16 [rows]: slot of the newest run value
+        self.pending: dict[str, torch.Tensor] = {}   # table -> bool [rows]: not yet in the working copy
+        self.pending_rows = 0
+        self.regions: dict = {}
+        self._lock = threading.RLock()
+        self._free_slots = list(range(32767, 0, -1))
+        self._plan: _Plan | None = None
+        self.broken: str | None = None
+        mpath = self.dir / MANIFEST
+        if mpath.exists():
+            try:
+                doc = parse_json_object(mpath.read_bytes(), mpath, "the runs' manifest")
+            except PoolCorruptError as exc:
+                raise RunCorruptError(exc.message) from None
+            if not json_crc_ok(doc) or not isinstance(doc.get("runs"), list):
+                raise RunCorruptError(f"{mpath}: fails its checksum")
+            self.next_gen = int(doc.get("next_gen", 1))
+            self.reset = {str(k): int(v) for k, v in doc.get("reset", {}).items()}
+            try:
+                for r in doc["runs"]:
+                    run = Run.open(self.dir / r["file"])
+                    if run.gen != r["gen"] or run.nbytes != r["bytes"]:
+                        raise RunCorruptError(f"run {run.path}: generation {run.gen} / {run.nbytes} bytes, the "
+                                              f"manifest says {r['gen']} / {r['bytes']}")
+                    run.slot = self._free_slots.pop()
+                    self.runs.append(run)
+            except BaseException:
+                self.close()
+                raise
+        if not read_only and self.dir.is_dir():
+            # Run files no manifest names: written before a crash, or cleaned and not yet deleted.
+            live = {r.path.name for r in self.runs}
+            for p in self.dir.glob("run-*.bin"):
+                if p.name not in live:
+                    p.unlink()
+
+    # -- what the runs hold
+    @property
+    def run_bytes(self) -> int:
+        return sum(r.nbytes for r in self.runs)
+
+    def _counts(self, run: Run, name: str) -> bool:
+        return run.gen >= self.reset.get(name, 0)
+
+    def attach(self, regions: dict, journal_rows: dict[str, torch.Tensor]) -> None:
+        """Build ``where`` and the pending rows for the pool's tables (``regions`` by name):
+        every row whose newest durable value is a run's and not the journal's (``journal_rows``:
+        the rows the journal holds, per table) is pending until :meth:`take` copies it into the
+        working copy."""
+        self.regions = regions
+        unknown = {n for r in self.runs for n in r.tables} - set(regions)
+        if unknown:
+            raise RunCorruptError(f"{self.dir}: runs hold rows of unknown tables {sorted(unknown)}")
+        for run in self.runs:  # oldest first: a newer run's entry or tombstone wins
+            for name, t in run.tables.items():
+                if not self._counts(run, name):
+                    continue
+                rows = regions[name].rows
+                if t.ids.numel() and int(t.ids[-1]) >= rows or t.tombs.numel() and int(t.tombs[-1]) >= rows:
+                    raise RunCorruptError(f"run {run.path}: table {name!r} has {rows} rows, the run holds row "
+                                          f"{max(int(t.ids[-1]) if t.ids.numel() else 0, int(t.tombs[-1]) if t.tombs.numel() else 0)}")
+                w = self._where(name)
+                p = self._pending_mask(name)
+                w[t.ids] = run.slot
+                p[t.ids] = True
+                w[t.tombs] = 0
+                p[t.tombs] = False
+        for name, p in self.pending.items():
+            j = journal_rows.get(name)
+            if j is not None and j.numel():
+                p[j] = False  # the journal's value is newer: memory_pool.ondemand applies it
+        self.pending_rows = sum(int(p.sum()) for p in self.pending.values())
+
+    def _where(self, name: str) -> torch.Tensor:
+        w = self.where.get(name)
+        if w is None:
+            w = self.where[name] = torch.zeros(self.regions[name].rows, dtype=torch.int16)
+        return w
+
+    def _pending_mask(self, name: str) -> torch.Tensor:
+        p = self.pending.get(name)
+        if p is None:
+            p = self.pending[name] = torch.zeros(self.regions[name].rows, dtype=torch.bool)
+        return p
+
+    def _run(self, slot: int) -> Run:
+        for r in self.runs:
+            if r.slot == slot:
+                return r
+        if self._plan is not None and self._plan.run is not None and self._plan.run.slot == slot:
+            return self._plan.run
+        for r in self._plan.cleaned if self._plan is not None else ():
+            if r.slot == slot:
+                return r
+        raise RunCorruptError(f"{self.dir}: no run in slot {slot}")
+
+    def run_values(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """The newest run values of ``rows`` (every one held by a run: ``where`` > 0)."""
+        w = self.where[name]
+        rb = self.regions[name].row_bytes
+        out = torch.empty(rows.numel(), rb, dtype=torch.uint8)
+        slots = w[rows]
+        for s in torch.unique(slots).tolist():
+            sel = (slots == s).nonzero().flatten()
+            out[sel] = self._run(s).rows(name, rows[sel])
+        return out
+
+    # -- the working copy (replay, eager or on demand)
+    def take(self, name: str, ids: torch.Tensor | None = None, *, chunk: int = 1 << 18) -> int:
+        """Copy the pending rows of table ``name`` among ``ids`` (None: all of them, ``chunk`` at
+        a time) into the working copy. Returns the rows copied."""
+        p = self.pending.get(name)
+        if p is None:
+            return 0
+        if ids is not None:
+            ids = ids[p[ids]]   # a first look without the lock: a row is only ever cleared
+            if not ids.numel():
+                return 0
+        n = 0
+        with self._lock:
+            hit = p.nonzero().flatten() if ids is None else torch.unique(ids[p[ids]])
+            region = self.regions[name]
+            rows = region.tensor.view(torch.uint8).view(region.rows, region.row_bytes)
+            for a in range(0, hit.numel(), chunk):
+                part = hit[a:a + chunk]
+                rows.index_copy_(0, part, self.run_values(name, part))
+                p[part] = False
+                self.pending_rows -= part.numel()
+                n += part.numel()
+        return n
+
+    def take_all(self) -> int:
+        return sum(self.take(name) for name in list(self.pending))
+
+    def forget(self, name: str) -> None:
+        """Table ``name``'s rows were all replaced (a bulk load, durable in its image): nothing
+        of it is pending, and no run value of it counts any more -- durably, in the manifest."""
+        with self._lock:
+            p = self.pending.pop(name, None)
+            if p is not None:
+                self.pending_rows -= int(p.sum())
+            w = self.where.get(name)
+            if w is not None:
+                w.zero_()
+            if any(name in r.tables for r in self.runs):
+                self.reset[name] = self.next_gen
+                self._write_manifest(self.runs, self.next_gen)
+
+    def _write_manifest(self, runs: list[Run], next_gen: int) -> None:
+        doc = {"format": 1, "next_gen": next_gen, "reset": self.reset,
+               "runs": [{"file": r.path.name, "gen": r.gen, "bytes": r.nbytes} for r in runs]}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.dir / MANIFEST, json_with_crc(doc))  # (tmp, fsync, rename, fsync dir)
+
+    # -- compaction (the compactor's thread; see the module docstring for the order)
+    def begin(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"the row overlay is unusable after an error ({self.broken}): reopen the pool")
+        self._plan = _Plan(self.next_gen)
+
+    def absorb(self, name: str, ids: torch.Tensor, raw: torch.Tensor, *, dense: float = DENSE_FRACTION) -> None:
+        """A compaction's newest values of table ``name`` (``ids`` sorted and distinct, ``raw``
+        their rows): the pages where at least ``dense`` of the bytes changed -- carried rows
+        counted in -- go home in place (their carried rows with them, from their runs); every
+        other row goes into the new run."""
+        plan, region = self._plan, self.regions[name]
+        rb = region.row_bytes
+        per = PAGE // rb
+        w = self.where.get(name)
+        carried = (w != 0).nonzero().flatten() if w is not None else torch.empty(0, dtype=torch.int64)
+        if per < 2:
+            home = torch.unique(torch.cat([ids, carried])) if carried.numel() else ids
+        else:
+            rows = torch.unique(torch.cat([ids, carried])) if carried.numel() else ids
+            pages, inv, cnt = torch.unique_consecutive(rows // per, return_inverse=True, return_counts=True)
+            home = rows[(cnt * rb >= dense * PAGE)[inv]]
+        in_window = _isin_sorted(home, ids)
+        values = torch.empty(home.numel(), rb, dtype=torch.uint8)
+        if in_window.any():
+            values[in_window] = raw[torch.searchsorted(ids, home[in_window])]
+        if (~in_window).any():
+            values[~in_window] = self.run_values(name, home[~in_window])
+        # A carried row that no step has read since the open is copied into the working copy
+        # first: once it is written home and its run value no longer counts, a working-copy page
+        # copied before would keep the image's old value of it.
+        self.take(name, home)
+        plan.written_home += region.write_back(home, values)
+        if home.numel():
+            plan.home_tables.add(name)
+        tombs = home[w[home] != 0] if w is not None and home.numel() else torch.empty(0, dtype=torch.int64)
+        keep = ~_isin_sorted(ids, home)
+        entries = ids[keep]
+        with self._lock:
+            if w is not None:
+                w[home] = 0
+            if entries.numel():
+                # (a window row is never pending: it was read before it was written, or the
+                # journal held it at the open)
+                self._where(name)[entries] = -1   # "the new run": its slot is given when it is written
+        plan.tables[name] = [rb, entries, raw[keep], tombs]
+
+    def clean(self, bound: int) -> None:
+        """First in, first out: drop the oldest runs while the runs (the new one counted in)
+        hold more than ``bound`` bytes. Their still-newest rows move into the new run, or go
+        home in place when the carried rows alone hold more than 3/4 of the bound (or when
+        ``bound`` is 0: the overlay is being emptied)."""
+        plan = self._plan
+
+        def new_bytes():
+            return sum(HEAD.size + (t[1].numel() * (t[0] + 8)) + 8 * t[3].numel() for t in plan.tables.values())
+
+        total = self.run_bytes + new_bytes()
+        carried = sum(int((w != 0).sum()) * (self.regions[n].row_bytes + 8) for n, w in self.where.items())
+        evict = bound == 0 or carried > EVICT_FRACTION * bound
+        for run in list(self.runs):
+            if total <= bound:
+                break
+            for name, t in run.tables.items():
+                w = self.where.get(name)
+                if w is None or not self._counts(run, name) or not t.ids.numel():
+                    continue
+                live = t.ids[w[t.ids] == run.slot]
+                if not live.numel():
+                    continue
+                vals = run.rows(name, live)
+                if evict:
+                    # (the oldest run: no older run holds these rows, so no tombstone is needed)
+                    self.take(name, live)
+                    plan.written_home += self.regions[name].write_back(live, vals)
+                    plan.home_tables.add(name)
+                    with self._lock:
+                        w[live] = 0
+                else:
+                    cur = plan.tables.setdefault(name, [t.row_bytes, torch.empty(0, dtype=torch.int64),
+                                                        torch.empty(0, t.row_bytes, dtype=torch.uint8),
+                                                        torch.empty(0, dtype=torch.int64)])
+                    ids = torch.cat([cur[1], live])
+                    order = torch.argsort(ids)
+                    cur[1], cur[2] = ids[order], torch.cat([cur[2], vals])[order]
+                    plan.moves.append((name, live))
+            plan.cleaned.append(run)
+            total -= run.nbytes
+            total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
+
+    def write(self) -> int:
+        """Write the new run (if it holds anything), durably; give it its slot. Returns its bytes."""
+        plan = self._plan
+        # A tombstone only has to hide a row's value in a run that outlives this compaction.
+        surviving = [r for r in self.runs if r not in plan.cleaned]
+        for name, t in plan.tables.items():
+            if t[3].numel():
+                held = torch.zeros(t[3].numel(), dtype=torch.bool)
+                for r in surviving:
+                    if name in r.tables and self._counts(r, name):
+                        held |= _isin_sorted(t[3], r.tables[name].ids)
+                t[3] = t[3][held]
+        tables = {n: tuple(t) for n, t in plan.tables.items() if t[1].numel() or t[3].numel()}
+        if not tables:
+            return 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"run-{plan.gen:016x}.bin"
+        write_run(path, plan.gen, tables)
+        run = Run.open(path)
+        run.slot = self._free_slots.pop()
+        run.verified[:] = True  # (its rows are the ones just written)
+        plan.run = run
+        with self._lock:
+            for name, t in plan.tables.items():
+                w = self.where.get(name)
+                if w is not None and t[1].numel():
+                    w[t[1]] = run.slot   # the window's rows (-1 so far) and the moved rows
+        return run.nbytes
+
+    @property
+    def tables_home(self) -> set:
+        """The tables this compaction wrote in place (the pool syncs them before :meth:`commit`)."""
+        return set(self._plan.home_tables) if self._plan is not None else set()
+
+    @property
+    def written_home(self) -> int:
+        return self._plan.written_home if self._plan is not None else 0
+
+    @property
+    def changed(self) -> bool:
+        """This compaction wrote a run or drops one: the manifest must say so."""
+        p = self._plan
+        return p is not None and (p.run is not None or bool(p.cleaned))
+
+    def commit(self) -> None:
+        """Replace the manifest: the new run counts, the cleaned ones no longer do."""
+        plan = self._plan
+        with self._lock:
+            runs = [r for r in self.runs if r not in plan.cleaned] + ([plan.run] if plan.run is not None else [])
+            self._write_manifest(runs, plan.gen + 1)
+            self.runs = runs
+            self.next_gen = plan.gen + 1
+
+    def finish(self) -> None:
+        """After the journal dropped the window: delete the cleaned runs' files."""
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        with self._lock:
+            for r in plan.cleaned:
+                r.close()
+                self._free_slots.append(r.slot)
+                try:
+                    r.path.unlink()
+                except FileNotFoundError:
+                    pass
+        if plan.cleaned:
+            fsync_dir(self.dir)
+
+    def fail(self, exc: BaseException) -> None:
+        """A compaction failed half way: the overlay in memory no longer matches the files."""
+        self.broken = f"{type(exc).__name__}: {exc}"
+        self._plan = None
+
+    def describe(self) -> dict:
+        return {"runs": len(self.runs), "bytes": self.run_bytes, "rows": sum(r.entries() for r in self.runs),
+                "rows_pending": self.pending_rows}
+
+    def close(self) -> None:
+        for r in self.runs:
+            r.close()
+        self.runs = []
+
+
+def _isin_sorted(a: torch.Tensor, sorted_b: torch.Tensor) -> torch.Tensor:
+    """``a[i] in sorted_b`` for every i (``sorted_b`` sorted ascending)."""
+    if not sorted_b.numel() or not a.numel():
+        return torch.zeros(a.numel(), dtype=torch.bool)
+    pos = torch.searchsorted(sorted_b, a).clamp_(max=sorted_b.numel() - 1)
+    return sorted_b[pos] == a

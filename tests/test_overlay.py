@@ -1,0 +1,347 @@
+"""The row overlay (memory_pool/overlay.py): a compaction writes dense pages home in place and
+packs the other rows into runs; runs are cleaned first in, first out; opening applies them
+(eagerly or on demand); damage is refused; a SIGKILL at any point of a compaction recovers.
+
+Every check compares against a reference kept in the test (the values written and persisted),
+and reads the table images themselves where it claims something about them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import flip
+from memory_pool import MemoryPool, PoolVersionError
+from memory_pool.header import HEADER, read_header
+from memory_pool.overlay import MANIFEST, RUNS_DIR, Run, RunCorruptError
+
+ROWS, DIM = 4096, 64          # 256-byte rows: 16 a page, 256 pages
+PER_PAGE = 4096 // (DIM * 4)
+
+
+@pytest.fixture
+def runs_mb(monkeypatch):
+    """Set the overlay's bound (MiB) for this test; pools below 2 GiB have none by default."""
+    def set_(mb):
+        monkeypatch.setenv("DLRM_CXL_RUNS_MB", str(mb))
+    set_(64)
+    return set_
+
+
+def _image(pool_dir, name="a") -> torch.Tensor:
+    """The table image on disk, as the file holds it (not the pool's working copy)."""
+    raw = np.fromfile(pool_dir / "tables" / f"{name}.bin", dtype=np.float32)
+    return torch.from_numpy(raw.copy()).view(-1, DIM)
+
+
+def _runs(pool_dir) -> list[str]:
+    doc = json.loads((pool_dir / RUNS_DIR / MANIFEST).read_text())
+    return [r["file"] for r in doc["runs"]]
+
+
+def _new_pool(path, tier="power-sim"):
+    pool = MemoryPool.create(path, tier=tier)
+    t = pool.create_table("a", ROWS, DIM, init="uniform", seed=1)
+    return pool, t, t.read(torch.arange(ROWS)).clone()
+
+
+def _write(pool, t, ref, ids, seed):
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    vals = torch.randn(ids.numel(), DIM, generator=torch.Generator().manual_seed(seed))
+    t.write(ids, vals)
+    ref[ids] = vals
+    pool.persist()
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_a_compaction_writes_dense_pages_home_and_packs_the_other_rows_into_a_run(tmp_pool_dir, runs_mb, tier):
+    pool, t, ref = _new_pool(tmp_pool_dir, tier)
+    before = _image(tmp_pool_dir).clone()
+    dense = list(range(16, 16 + PER_PAGE // 2))        # half of page 1: goes home
+    sparse = [5 * PER_PAGE + 3, 9 * PER_PAGE + 1, 200 * PER_PAGE]  # alone in their pages: into a run
+    _write(pool, t, ref, dense + sparse, 1)
+    pool.compact()
+    pool.close()
+    image = _image(tmp_pool_dir)
+    assert torch.equal(image[dense], ref[dense])        # home, in place
+    assert torch.equal(image[sparse], before[sparse])   # not home: the image keeps the old values
+    runs = _runs(tmp_pool_dir)
+    assert len(runs) == 1
+    run = Run.open(tmp_pool_dir / RUNS_DIR / runs[0])
+    assert run.tables["a"].ids.tolist() == sorted(sparse) and run.tables["a"].tombs.numel() == 0
+    run.close()
+    assert read_header(tmp_pool_dir)["format_version"] == 3
+    for replay in ("eager", "on-demand"):
+        with MemoryPool.open(tmp_pool_dir, replay=replay) as p:
+            assert torch.equal(p.table("a").read(sparse), ref[sparse]), replay
+            assert torch.equal(p.table("a").view(), ref), replay
+
+
+def test_an_on_demand_open_applies_a_run_row_when_it_is_first_read(tmp_pool_dir, runs_mb):
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    sparse = [3 * PER_PAGE, 7 * PER_PAGE, 11 * PER_PAGE]
+    _write(pool, t, ref, sparse, 2)
+    pool.compact()
+    pool.close()
+    with MemoryPool.open(tmp_pool_dir, replay="on-demand") as p:
+        assert p.rows_pending == 3 and p.stats.run_rows_replayed == 0
+        a = p.table("a")
+        assert torch.equal(a._region.tensor[sparse[0]], _image(tmp_pool_dir)[sparse[0]])  # not applied yet
+        assert torch.equal(a.read([sparse[0]]), ref[[sparse[0]]])
+        assert p.rows_pending == 2 and p.stats.run_rows_replayed == 1
+        a.write([sparse[1]], torch.full((1, DIM), 3.0))   # a write applies it first, then overwrites it
+        assert p.rows_pending == 1
+        assert torch.equal(a.read([sparse[1]]), torch.full((1, DIM), 3.0))
+
+
+def test_a_carried_row_written_home_later_leaves_a_tombstone_so_its_old_run_value_no_longer_counts(
+        tmp_pool_dir, runs_mb):
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    x, y = 10 * PER_PAGE, 20 * PER_PAGE           # each alone in its page: carried in run 1
+    _write(pool, t, ref, [x, y], 3)
+    pool.compact()
+    # Next window: x again and three neighbours of each (4 rows of 16: a quarter of the page):
+    # both pages go home, x with its new value, y with its run value (not in this window).
+    _write(pool, t, ref, [x, x + 1, x + 2, x + 3, y + 1, y + 2, y + 3], 4)
+    pool.compact()
+    pool.close()
+    image = _image(tmp_pool_dir)
+    assert torch.equal(image[[x, y]], ref[[x, y]])
+    runs = _runs(tmp_pool_dir)
+    assert len(runs) == 2
+    newest = Run.open(tmp_pool_dir / RUNS_DIR / runs[-1])
+    assert newest.tables["a"].tombs.tolist() == [x, y] and newest.tables["a"].ids.numel() == 0
+    newest.close()
+    for replay in ("eager", "on-demand"):
+        with MemoryPool.open(tmp_pool_dir, replay=replay) as p:
+            assert p.rows_pending == 0                        # the run 1 values do not count
+            assert torch.equal(p.table("a").view(), ref), replay
+
+
+def test_runs_are_cleaned_first_in_first_out_and_their_live_rows_move_on(tmp_pool_dir, runs_mb):
+    runs_mb(0.2)    # ~200 KiB of runs: one window's sparse rows are ~40 KiB
+    g = torch.Generator().manual_seed(5)
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    seen = []
+    for r in range(12):
+        pages = torch.randperm(ROWS // PER_PAGE, generator=g)[:150]
+        _write(pool, t, ref, pages * PER_PAGE + r % PER_PAGE, 10 + r)   # one row per page: all sparse
+        pool.compact()
+        seen.append(_runs(tmp_pool_dir))
+        assert torch.equal(t.view(), ref)
+    assert len({f for s in seen for f in s}) > len(seen[-1]) + 3        # old runs were dropped ...
+    files = {p.name for p in (tmp_pool_dir / RUNS_DIR).glob("run-*.bin")}
+    assert files == set(seen[-1])                                       # ... and their files deleted
+    assert pool.describe()["overlay"]["bytes"] < 2 * 0.2 * 2**20
+    pool.close()
+    with MemoryPool.open(tmp_pool_dir, replay="on-demand") as p:
+        assert torch.equal(p.table("a").view(), ref)
+
+
+def test_a_bound_of_zero_writes_every_run_row_home_and_drops_the_runs(tmp_pool_dir, runs_mb):
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    sparse = [2 * PER_PAGE, 40 * PER_PAGE + 5, 99 * PER_PAGE + 9]
+    _write(pool, t, ref, sparse, 6)
+    pool.compact()
+    assert len(_runs(tmp_pool_dir)) == 1
+    runs_mb(0)
+    _write(pool, t, ref, [50 * PER_PAGE], 7)
+    pool.compact()
+    pool.close()
+    assert _runs(tmp_pool_dir) == [] and not list((tmp_pool_dir / RUNS_DIR).glob("run-*.bin"))
+    assert torch.equal(_image(tmp_pool_dir), ref)    # everything home
+
+
+def _pool_with_a_run(tmp_pool_dir):
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    sparse = [4 * PER_PAGE, 8 * PER_PAGE, 12 * PER_PAGE]
+    _write(pool, t, ref, sparse, 8)
+    pool.compact()
+    pool.close()
+    return tmp_pool_dir / RUNS_DIR / _runs(tmp_pool_dir)[0], ref, sparse
+
+
+def _files(d):
+    return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "LOCK"}
+
+
+@pytest.mark.parametrize("where", ["header", "index", "manifest", "missing", "truncated"])
+def test_a_damaged_run_or_manifest_is_refused_at_open_and_nothing_changes(tmp_pool_dir, runs_mb, where):
+    run, _, _ = _pool_with_a_run(tmp_pool_dir)
+    if where == "header":
+        flip(run, 20)
+    elif where == "index":
+        flip(run, 4096 + 40)          # the index starts at 4 KiB
+    elif where == "manifest":
+        flip(tmp_pool_dir / RUNS_DIR / MANIFEST, 30)
+    elif where == "missing":
+        run.unlink()
+    else:
+        with open(run, "r+b") as f:
+            f.truncate(run.stat().st_size - 100)
+    before = _files(tmp_pool_dir)
+    for replay in ("eager", "on-demand"):
+        with pytest.raises(RunCorruptError) as err:
+            MemoryPool.open(tmp_pool_dir, replay=replay)
+        assert err.value.exit_code == 4
+    assert _files(tmp_pool_dir) == before
+
+
+def test_a_bit_flip_in_a_runs_rows_is_refused_when_the_row_is_read(tmp_pool_dir, runs_mb):
+    run, ref, sparse = _pool_with_a_run(tmp_pool_dir)
+    head = run.read_bytes()[:64]
+    data_off = int.from_bytes(head[40:48], "little")     # (HEAD: data offset after magic..index len)
+    flip(run, data_off + 256 + 17)                       # in the second row's bytes
+    with MemoryPool.open(tmp_pool_dir, replay="on-demand") as p:   # rows are verified when read
+        with pytest.raises(RunCorruptError):
+            p.table("a").read([sparse[1]])
+    with pytest.raises(RunCorruptError):
+        MemoryPool.open(tmp_pool_dir)                                # an eager open reads them all
+
+
+def test_run_files_no_manifest_names_are_removed_by_a_writer_and_ignored_by_a_reader(tmp_pool_dir, runs_mb):
+    run, ref, _ = _pool_with_a_run(tmp_pool_dir)
+    stray = run.with_name("run-00000000000000ff.bin")
+    stray.write_bytes(b"left by a crash")
+    with MemoryPool.open(tmp_pool_dir, read_only=True) as p:
+        assert torch.equal(p.table("a").view(), ref)
+    assert stray.exists()
+    with MemoryPool.open(tmp_pool_dir) as p:
+        assert torch.equal(p.table("a").view(), ref)
+    assert not stray.exists() and run.exists()
+
+
+def test_a_pool_of_a_later_format_version_is_refused(tmp_pool_dir, runs_mb):
+    _pool_with_a_run(tmp_pool_dir)
+    doc = json.loads((tmp_pool_dir / HEADER).read_text())
+    assert doc["format_version"] == 3
+    from memory_pool.durable import json_with_crc
+    (tmp_pool_dir / HEADER).write_bytes(json_with_crc({**doc, "format_version": 4}))
+    with pytest.raises(PoolVersionError):
+        MemoryPool.open(tmp_pool_dir)
+
+
+def test_a_bulk_load_replaces_the_run_values_of_its_table_durably(tmp_pool_dir, runs_mb):
+    run, ref, sparse = _pool_with_a_run(tmp_pool_dir)
+    new = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(9))
+    with MemoryPool.open(tmp_pool_dir) as p:
+        p.table("a").load_(new)
+        assert torch.equal(p.table("a").view(), new)
+    for replay in ("eager", "on-demand"):
+        with MemoryPool.open(tmp_pool_dir, replay=replay) as p:
+            assert torch.equal(p.table("a").view(), new), replay
+
+
+CHILD = r"""
+import os, sys, torch
+os.environ["DLRM_CXL_RUNS_MB"] = "64"
+from memory_pool import MemoryPool
+import memory_pool.overlay as O
+path, phase, saved = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def die_after(obj, name):
+    orig = getattr(obj, name)
+    def wrapper(*a, **kw):
+        out = orig(*a, **kw)
+        os.kill(os.getpid(), 9)
+        return out
+    setattr(obj, name, wrapper)
+
+with MemoryPool.open(path) as pool:
+    a = pool.table("a")
+    g = torch.Generator().manual_seed(11)
+    for r in range(3):
+        ids = torch.unique(torch.cat([torch.randint(0, a.num_embeddings, (40,), generator=g), torch.arange(32)]))
+        a.write(ids, torch.randn(ids.numel(), a.embedding_dim, generator=g))
+        pool.persist()
+    torch.save(a.read(torch.arange(a.num_embeddings)), saved)
+    a.write([1], torch.full((1, a.embedding_dim), -5.0))   # never persisted: lost with the process
+    if phase == "run-written":
+        die_after(O, "write_run")
+    elif phase == "images-synced":
+        die_after(pool, "_sync_images")
+    elif phase == "manifest":
+        die_after(O.Overlay, "commit")
+    elif phase == "start-moved":
+        die_after(pool.journal, "reclaim")   # the journal's START moved, the cleaned runs not deleted
+    pool.compact()
+raise SystemExit("not killed")
+"""
+
+
+@pytest.mark.parametrize("phase", ["run-written", "images-synced", "manifest", "start-moved"])
+def test_a_sigkill_at_any_point_of_a_compaction_with_runs_recovers_the_persisted_rows(tmp_pool_dir, tmp_path,
+                                                                                     run_py, runs_mb, phase):
+    _, ref, _ = _pool_with_a_run(tmp_pool_dir)        # runs from an earlier compaction too
+    saved = tmp_path / "want.pt"
+    proc = run_py(CHILD, tmp_pool_dir, phase, saved, check=False)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-3000:])
+    want = torch.load(saved)
+    assert not torch.equal(want, ref)
+    for replay in ("eager", "on-demand", "eager"):    # (and again: idempotent)
+        with MemoryPool.open(tmp_pool_dir, replay=replay) as p:
+            assert torch.equal(p.table("a").view(), want), (phase, replay)
+    with MemoryPool.open(tmp_pool_dir) as p:          # and it still compacts
+        p.table("a").write([2 * PER_PAGE], torch.full((1, DIM), 42.0))
+        p.persist()
+        p.compact()
+    want[2 * PER_PAGE] = 42.0
+    with MemoryPool.open(tmp_pool_dir) as p:
+        assert torch.equal(p.table("a").view(), want)
+
+
+def test_training_through_runs_ends_with_the_digest_of_training_without_them_and_resumes_bit_exact(
+        tmp_path, monkeypatch):
+    """The overlay changes where rows are kept, never their values: a run compacting every few
+    steps through runs (cleaned too: a small bound) ends with the state of one that writes
+    everything home, and so does one resumed in the middle (its run rows applied on demand)."""
+    from dlrm_cxl.model import PRESETS
+    from dlrm_cxl.trainer import Trainer, TrainOptions
+
+    monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", "0.0625")
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", "0.25")
+
+    def train(pool, steps, runs):
+        monkeypatch.setenv("DLRM_CXL_RUNS_MB", runs)
+        tr = Trainer(TrainOptions(pool=str(pool), steps=steps, threads=1, progress=False, tier="power-sim"),
+                     PRESETS["tiny"], log=lambda s: None)
+        try:
+            tr.run()
+            return tr.digest(), tr.pool.describe()["overlay"], tr.pool.stats
+        finally:
+            tr.close()
+
+    plain, none, _ = train(tmp_path / "plain", 40, "0")
+    assert none is None
+    through, ov, stats = train(tmp_path / "runs", 40, "0.05")
+    assert ov["runs"] >= 1 and stats.bytes_to_runs > 0 and stats.compactions >= 3
+    assert through == plain
+    train(tmp_path / "resumed", 20, "0.05")
+    resumed, ov, stats = train(tmp_path / "resumed", 40, "0.05")
+    assert stats.run_rows_replayed > 0
+    assert resumed == plain
+
+
+def test_a_run_row_no_step_read_since_the_open_is_applied_before_its_page_goes_home(tmp_pool_dir, runs_mb):
+    """A row still pending from a run when a compaction writes its page home: its run value no
+    longer counts afterwards, so it must be in the working copy first -- whose copy of that page
+    (taken when a neighbour was written) holds the image's old value of it."""
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    x = 30 * PER_PAGE
+    _write(pool, t, ref, [x], 12)                     # x alone in its page: into a run
+    pool.compact()
+    pool.close()
+    with MemoryPool.open(tmp_pool_dir, replay="on-demand") as p:
+        a = p.table("a")
+        assert p.rows_pending == 1
+        _write(p, a, ref, [x + 1, x + 2, x + 3], 13)  # the page's working copy is copied now
+        assert p.rows_pending == 1                     # (x was not read)
+        p.compact()                                    # 4 rows of 16: the page goes home, x from its run
+        assert p.rows_pending == 0
+        assert torch.equal(a.read([x]), ref[[x]])
+        assert torch.equal(a.view(), ref)
+    with MemoryPool.open(tmp_pool_dir) as p:
+        assert torch.equal(p.table("a").view(), ref)
