@@ -291,8 +291,11 @@ def _cmd_train(args) -> int:
               f"({1e3 * ps['compact_cpu_seconds'] / summary.steps_run:.2f} ms/step amortised); "
               f"{ps['bytes_written_back'] / 1e6:.1f} MB of rows written back into the tables")
     if ps.get("rows_deferred"):
-        print(f"replay on demand: the pool opened in {ps['open_seconds']:.2f} s with {ps['rows_deferred']:,} journal rows "
-              f"left to apply; {ps['rows_replayed']:,} applied since, as steps first read them or at a compaction")
+        runs = (f" (and {ps['run_rows_deferred']:,} rows of the row overlay's runs, {ps['run_rows_replayed']:,} of them "
+                f"applied since)") if ps.get("run_rows_deferred") else ""
+        print(f"replay on demand: the pool opened in {ps['open_seconds']:.2f} s with "
+              f"{ps['rows_deferred'] - ps.get('run_rows_deferred', 0):,} journal rows "
+              f"left to apply; {ps['rows_replayed']:,} applied since, as steps first read them or at a compaction{runs}")
     for ev in summary.eval:
         print(f"eval at step {ev['step']}: auc {ev['auc']:.4f}, logloss {ev['logloss']:.4f}")
     print(f"state_digest {digest}")
@@ -323,7 +326,8 @@ def _inspect_pool(path, digest: bool) -> dict:
     from checkpointing import checkpoint_status, committed_state, state_digest
     from memory_pool import MemoryPool
 
-    with MemoryPool.open(path, read_only=True, consistent=digest) as pool:
+    # (On demand: describing the pool reads no row; the digest applies what it reads.)
+    with MemoryPool.open(path, read_only=True, consistent=digest, replay="on-demand") as pool:
         info = pool.describe()
         status = checkpoint_status(pool)
         info["checkpoint"] = status
@@ -378,6 +382,10 @@ def _cmd_inspect(args) -> int:
     for t in info["tables"]:
         print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}"
               + ("  (row cache)" if t["cached"] else ""))
+    ov = info.get("overlay")
+    if ov:
+        print(f"row overlay: {ov['runs']} runs, {ov['bytes'] / 1e6:.1f} MB, {ov['rows']:,} rows kept out of the "
+              f"images (memory_pool/overlay.py)")
     print(f"step reached (committed): {status['committed_step']}")
     if status["needs_recovery"]:
         print(f"needs recovery: uncommitted steps {status['steps_to_roll_back']}"

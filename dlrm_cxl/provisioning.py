@@ -124,9 +124,11 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
         # resume after a power loss does not first wait for every image page they land in.
         pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes, replay="on-demand")
         try:
-            if pool.stats.rows_deferred:
-                log(f"pool opened in {pool.stats.open_seconds * 1e3:.0f} ms; {pool.stats.rows_deferred:,} journal rows "
-                    f"are applied as the steps first read them (replay on demand)")
+            st = pool.stats
+            if st.rows_deferred:
+                runs = f" and {st.run_rows_deferred:,} rows of the row overlay's runs" if st.run_rows_deferred else ""
+                log(f"pool opened in {st.open_seconds * 1e3:.0f} ms; {st.rows_deferred - st.run_rows_deferred:,} journal "
+                    f"rows{runs} are applied as the steps first read them (replay on demand)")
             if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
                 log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
                 # On the pool this run trains on: its journal is replayed once, not once to recover

@@ -68,12 +68,19 @@ class Arena:
         self.used = off + page_round(nbytes)
         return off
 
-    def map_file(self, offset: int, fd: int, nbytes: int, *, shared: bool, writable: bool) -> int:
-        """Map ``fd`` (``nbytes`` long) at ``offset``. ``shared``: stores reach the file's page
-        cache (MAP_SHARED); else copy-on-write (MAP_PRIVATE): stores stay in this process."""
+    def map_file(self, offset: int, fd: int, nbytes: int, *, shared: bool, writable: bool, file_offset: int = 0) -> int:
+        """Map ``fd`` (``nbytes`` long, from its page-aligned ``file_offset``) at ``offset``.
+        ``shared``: stores reach the file's page cache (MAP_SHARED); else copy-on-write
+        (MAP_PRIVATE): stores stay in this process."""
         prot = _PROT_READ | (_PROT_WRITE if writable or not shared else 0)
         flags = (_MAP_SHARED if shared else _MAP_PRIVATE) | _MAP_FIXED
-        return _mmap(self.base + offset, max(nbytes, 1), prot, flags, fd, 0)
+        return _mmap(self.base + offset, max(nbytes, 1), prot, flags, fd, file_offset)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Give ``[offset, offset + nbytes)`` back to the reservation: a file mapped there is
+        unmapped (its pages and, once deleted, its blocks are freed); nothing may read it after."""
+        _mmap(self.base + offset, page_round(max(nbytes, 1)), _PROT_NONE,
+              _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED)
 
     def map_anon(self, offset: int, nbytes: int) -> int:
         return _mmap(self.base + offset, page_round(max(nbytes, 1)), _PROT_READ | _PROT_WRITE,

@@ -65,6 +65,7 @@ class PoolStats:
     rows_replayed: int = 0          # journal rows written into the working copy (at the open, or on demand)
     open_seconds: float = 0.0       # the open itself: header, journal scan, replay (eager) or its index (on demand)
     rows_deferred: int = 0          # rows an on-demand replay left to apply when first needed (journal and runs)
+    run_rows_deferred: int = 0      # of rows_deferred, rows of the row overlay's runs (memory_pool/overlay.py)
     run_rows_replayed: int = 0      # rows of the row overlay's runs written into the working copy
     bytes_to_runs: int = 0          # bytes of run files the row overlay wrote (memory_pool/overlay.py)
     pages_prefetched: int = 0       # image pages asked for before that replay (0 when they were cached)

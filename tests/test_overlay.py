@@ -345,3 +345,34 @@ def test_a_run_row_no_step_read_since_the_open_is_applied_before_its_page_goes_h
         assert torch.equal(a.view(), ref)
     with MemoryPool.open(tmp_pool_dir) as p:
         assert torch.equal(p.table("a").view(), ref)
+
+
+def test_inspect_says_how_many_rows_the_overlay_keeps_out_of_the_images(tmp_pool_dir, runs_mb, capsys):
+    from dlrm_cxl.cli import main
+
+    _pool_with_a_run(tmp_pool_dir)
+    assert main(["inspect", "--pool", str(tmp_pool_dir), "--no-digest"]) == 0
+    out = capsys.readouterr().out
+    assert "format v3" in out and "row overlay: 1 runs" in out and " 3 rows kept out of the images" in out
+    assert main(["inspect", "--pool", str(tmp_pool_dir), "--json", "--no-digest"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["overlay"]["runs"] == 1 and info["overlay"]["rows"] == 3
+
+
+def test_a_resumed_train_says_how_many_run_rows_it_left_to_apply(tmp_path, monkeypatch, capsys):
+    from dlrm_cxl.cli import main
+
+    for k, v in {"DLRM_CXL_SEGMENT_MB": "0.0625", "DLRM_CXL_COMPACT_MB": "0.25", "DLRM_CXL_RUNS_MB": "0.05"}.items():
+        monkeypatch.setenv(k, v)
+    pool = tmp_path / "pool"
+    args = ["train", "--pool", str(pool), "--preset", "tiny", "--tier", "pmem", "--threads", "1", "--no-progress"]
+    assert main(args + ["--steps", "30"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--steps", "32"]) == 0
+    out = capsys.readouterr().out
+    import re
+    m = re.search(r"pool opened in \d+ ms; ([\d,]+) journal rows and ([\d,]+) rows of the row overlay's runs are "
+                  r"applied as the steps first read them", out)
+    assert m and int(m.group(2).replace(",", "")) > 0, out
+    assert re.search(r"^replay on demand: .* \(and ([\d,]+) rows of the row overlay's runs, ([\d,]+) of them applied "
+                     r"since\)$", out, re.M), out

@@ -36,6 +36,13 @@ three homes a compaction could write to:
   into the new one and it is dropped (first-in first-out cleaning, as a log-structured store).
 
     python tools/writeback_model.py --steady 2400 --every 120 --cap 512
+    python tools/writeback_model.py --steady 9600 --every 120 --cap 2048   # what memory_pool/overlay.py does
+
+Run long enough for the run files to reach the bound and the carried rows to settle: on
+``kaggle`` with ``--cap 2048`` the runs reach the bound after ~2,900 steps and the carried rows
+settle at ~1.07 GB (9,600 steps: 1.43x since the row before, steady). With ``--dense 0.5`` the
+carried rows outgrow the bound after ~5,000 steps and the steady state is 3.15x, worse than in
+place: a 3,600-step run shows neither.
 
 It reads no pool and times nothing: the counts are exact for the ids drawn. What it leaves out:
 the page cache's own write-back of pages dirtied between compactions (passes on `kaggle`); in
