@@ -238,7 +238,9 @@ def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: st
     if pool is not None:
         return recover_pool(pool, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step)
     t0 = time.perf_counter()
-    with MemoryPool.open(path, read_only=dry_run) as p:
+    # On demand: recovery reads only the rows it rolls back (the trainer's own recovery does the
+    # same); the digest, when asked for, applies the rest as it reads them.
+    with MemoryPool.open(path, read_only=dry_run, replay="on-demand") as p:
         t_open = time.perf_counter() - t0
         rep = recover_pool(p, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step)
     rep.seconds += t_open  # including opening the pool (and its journal replay), not the digest
