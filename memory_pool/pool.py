@@ -198,6 +198,11 @@ class MemoryPool:
             # apply, wrote it there); those above are only in the journal (and this process).
             self._applied = max(since, self.journal.start_seq)
             self._unsynced: set[str] = set()   # tables written back since their last fdatasync
+            if since > self.journal.start_seq:
+                # Trusting the mark means trusting rows that an earlier process wrote into the
+                # images' page cache and never synced: the next compaction, which drops their
+                # journal records, must fdatasync those images too, not only the ones it writes.
+                self._unsynced = {t["name"] for t in header["tables"]}
             # On demand (memory_pool/ondemand.py), the rows are read and verified the same way,
             # through a window that keeps the journal mapped, and only indexed here.
             plan, window = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since,

@@ -163,3 +163,31 @@ def test_a_replay_onto_an_image_out_of_the_page_cache_asks_for_its_pages_first(t
         assert torch.equal(all_rows(pool.table("t")), ref)
     with MemoryPool.open(tmp_pool_dir) as pool:  # cached now: a few mincore calls, no advice
         assert pool.stats.rows_replayed == ids.numel() and pool.stats.pages_prefetched == 0
+
+
+def test_a_compaction_after_trusting_the_mark_syncs_the_images_an_earlier_process_wrote_back(
+        tmp_pool_dir, run_py, monkeypatch):
+    """The rows below the mark are in the images' page cache, unsynced, written by the crashed
+    process; the compaction that drops their journal records must make them durable first, even
+    when it writes nothing into those images itself."""
+    pool, _, ref = new_pool(tmp_pool_dir, "pmem", rows=ROWS, dim=DIM)
+    pool.close()
+    proc = run_py("""
+        import os, signal, sys
+        from memory_pool import MemoryPool
+        from test_applied_mark import persist_txns
+        pool = MemoryPool.open(sys.argv[1])
+        persist_txns(pool, [1, 2, 3, 4])
+        pool.apply(wait=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, tmp_pool_dir, env={SMALL_SEGMENTS[0]: SMALL_SEGMENTS[1], "PYTHONPATH": "tests"}, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    synced = []
+    orig = memory_pool.tiers.FileRegion.sync
+    monkeypatch.setattr(memory_pool.tiers.FileRegion, "sync",
+                        lambda self, **kw: (synced.append(self.path.name), orig(self, **kw))[1])
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert pool.stats.rows_replayed == 0          # everything was below the mark
+        pool.compact()
+        assert pool.stats.bytes_compacted > 0
+    assert "t.bin" in synced
