@@ -38,7 +38,7 @@ from .journal import Journal, RecordType, decode_row_set, encode_rows, window_by
 from .tiers import shm_root
 from .threads import one_intra_op_thread
 
-__all__ = ["persist_rows", "replay_plan", "replay_rows", "prefetch_if_cold", "newest_mask", "latest",
+__all__ = ["persist_rows", "replay_plan", "table_resets", "replay_rows", "prefetch_if_cold", "newest_mask", "latest",
            "absorb_rows", "Compactor", "AppliedMark", "APPLIED_PREFIX", "stale_marks"]
 
 APPLIED_PREFIX = "dlrm-cxl-applied."   # <shm root>/dlrm-cxl-applied.<pool id>.<key>: see AppliedMark
@@ -64,8 +64,19 @@ def persist_rows(journal: Journal | None, pairs) -> int:
     return n
 
 
+def table_resets(journal: Journal) -> dict[str, int]:
+    """``{table: seq}`` of the journal's reset markers (a bulk load of the whole table, durable in
+    its image, committed as a transaction with the document ``{"kind": "reset", "table": ...}``):
+    the table's ``ROWS`` records below ``seq`` no longer count, at replay or at a compaction."""
+    out: dict[str, int] = {}
+    for txn in journal.txns:
+        if txn.doc.get("kind") == "reset" and isinstance(txn.doc.get("table"), str):
+            out[txn.doc["table"]] = max(out.get(txn.doc["table"], -1), txn.end.seq)
+    return out
+
+
 def replay_plan(journal: Journal, tables: set[str], where: Path, since_seq: int = 0, *,
-                on_demand: bool = False) -> tuple[dict[str, list], Arena | None]:
+                on_demand: bool = False, resets: dict[str, int] | None = None) -> tuple[dict[str, list], Arena | None]:
     """ROWS records of every complete transaction from ``since_seq`` on, per table, in journal
     order (the images' page cache already holds those below it: :class:`AppliedMark`), and
     with ``on_demand`` the window they were read (and verified) through: one address range
@@ -78,6 +89,8 @@ def replay_plan(journal: Journal, tables: set[str], where: Path, since_seq: int 
     for ref, payload in journal.read_many(refs, window=window):
         # Views of the mapped segment (kept mapped while they live); latest() copies them.
         for name, ids, raw in decode_row_set(payload):
+            if resets and ref.seq < resets.get(name, -1):
+                continue  # (the table was loaded whole since: these rows no longer count)
             plan.setdefault(name, []).append((ids, raw))
     unknown = set(plan) - set(tables)
     if unknown:
@@ -186,7 +199,7 @@ def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample:
 
 
 def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
-                dense: float | None = None) -> set[str]:
+                dense: float | None = None, resets: dict[str, int] | None = None) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
     sorted and coalesced (compaction); or (``coalesce=False``: a few segments at a time, as they
     are sealed) record after record in journal order, the newest landing last -- no sort, and
@@ -200,6 +213,8 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
         for name, ids, raw in decode_row_set(payload):
             # Views of the mapped segments, as in replay_plan (the mappings live while they do,
             # and the segments are reused only after this returns): latest() copies them once.
+            if resets and ref.seq < resets.get(name, -1):
+                continue  # (older than a bulk load of the table: writing them back would undo it)
             parts.setdefault(name, []).append((ids, raw))
     for name, p in parts.items():
         region = tables[name]._region

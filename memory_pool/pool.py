@@ -60,7 +60,7 @@ from .journal import Journal, RecordType
 from .ondemand import PendingRows
 from .overlay import DEFAULT_BOUND, MANIFEST, RUNS_DIR, Overlay
 from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
-                          replay_rows)
+                          replay_rows, table_resets)
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
                     torch_dtype)
 
@@ -205,8 +205,10 @@ class MemoryPool:
                 self._unsynced = {t["name"] for t in header["tables"]}
             # On demand (memory_pool/ondemand.py), the rows are read and verified the same way,
             # through a window that keeps the journal mapped, and only indexed here.
+            self._resets = table_resets(self.journal) if self.journaled else {}
             plan, window = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since,
-                                       on_demand=replay == "on-demand") if self.journaled and rows else ({}, None)
+                                       on_demand=replay == "on-demand", resets=self._resets) \
+                if self.journaled and rows else ({}, None)
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
             # rows (the budget covers each cache's map and metadata too).
@@ -356,7 +358,7 @@ class MemoryPool:
         pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
         if pending:
             self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
-                                          overlay=overlay, dense=dense)
+                                          overlay=overlay, dense=dense, resets=self._resets)
 
     @property
     def overlay_bound(self) -> int:
@@ -527,6 +529,17 @@ class MemoryPool:
     def _done_if_empty(self, p: PendingRows) -> None:
         if not p.remaining and self._pending is p:
             self._pending = None  # (and its window, the journal's mapping, once no view is left)
+
+    def _note_reset(self, name: str) -> None:
+        """Table ``name`` was loaded whole into its image, durably (``Table.load_``): on a
+        journaled tier, a committed reset marker makes its older journal rows stop counting
+        (else the next open would replay them over the loaded rows). Written after the image is
+        synced: a crash before it leaves the load half-done as it would without the marker."""
+        if not self.journaled or not self.journal.txns:
+            return  # (a fresh journal holds no rows of it)
+        self.wait_compaction()
+        txn = self.journal.end(-1, {"kind": "reset", "table": name})
+        self._resets[name] = txn.end.seq
 
     def _remap(self, table: "Table") -> None:
         r = table._region

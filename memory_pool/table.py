@@ -263,6 +263,7 @@ class Table:
             region.sync(drop_cache=True)
             self.pool._remap(self)
             region.take_dirty()
+            self.pool._note_reset(self.name)
         elif self.pool.tier == "pmem":
             region.flush_rows(torch.arange(self.num_embeddings))
         if self._cache is not None:
