@@ -63,6 +63,7 @@ a row the journal holds is never taken from a run.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -206,10 +207,8 @@ class Run:
             self.window.release(self.wbase, n)   # (its blocks freed once the file is deleted)
             self.window = None
         if self._mm is not None:
-            try:
+            with contextlib.suppress(BufferError):   # (a view still held: unmapped when it goes)
                 self._mm.close()
-            except BufferError:
-                pass  # a view still held: unmapped when it goes
             self._mm = None
 
 
@@ -321,7 +320,6 @@ class _Plan:
 
     gen: int
     tables: dict = field(default_factory=dict)   # name -> [row bytes, ids, rows, tombs]
-    moves: list = field(default_factory=list)    # (name, rows) moved from cleaned runs into this one
     cleaned: list = field(default_factory=list)  # runs this compaction drops
     written_home: int = 0                        # bytes written in place
     home_tables: set = field(default_factory=set)  # tables written in place (to be synced)
@@ -540,14 +538,20 @@ class Overlay:
         return sum(self.take(name) for name in list(self.where))
 
     def forget(self, name: str) -> None:
-        """Table ``name``'s rows were all replaced (a bulk load, durable in its image): nothing
-        of it is pending, and no run value of it counts any more -- durably, in the manifest."""
+        """Table ``name``'s rows are being replaced (a bulk load into its image): nothing of it
+        is pending any more, and no run holds its newest values. Durable with :meth:`reset`,
+        once the image is."""
         with self._lock:
             w = self.where.get(name)
             if w is not None:
                 self.pending_rows -= int(torch.count_nonzero(w < 0))
                 w.zero_()
             self._sources.pop(name, None)
+
+    def reset_table(self, name: str) -> None:
+        """After a bulk load of ``name`` is durable in its image: no value of it in the runs
+        counts any more, durably (the manifest's ``reset``: runs older than the next one)."""
+        with self._lock:
             if any(name in r.tables for r in self.runs):
                 self.reset[name] = self.next_gen
                 self._write_manifest(self.runs, self.next_gen)
@@ -654,9 +658,7 @@ class Overlay:
                     ids = torch.cat([cur[1], live])
                     order = torch.argsort(ids)
                     cur[1], cur[2] = ids[order], torch.cat([cur[2], vals])[order]
-                    plan.moves.append((name, live))
             plan.cleaned.append(run)
-            total -= run.nbytes
             total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
 
     def write(self) -> int:

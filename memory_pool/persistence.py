@@ -35,6 +35,7 @@ from .arena import PAGE, Arena
 from .durable import json_crc_ok, json_with_crc
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
+from .overlay import DENSE_FRACTION
 from .tiers import shm_root
 from .threads import one_intra_op_thread
 
@@ -199,7 +200,7 @@ def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample:
 
 
 def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
-                dense: float | None = None, resets: dict[str, int] | None = None) -> set[str]:
+                dense: float = DENSE_FRACTION, resets: dict[str, int] | None = None) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
     sorted and coalesced (compaction); or (``coalesce=False``: a few segments at a time, as they
     are sealed) record after record in journal order, the newest landing last -- no sort, and
@@ -219,7 +220,7 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     for name, p in parts.items():
         region = tables[name]._region
         if overlay is not None:
-            overlay.absorb(name, *latest(p, region.rows), **({} if dense is None else {"dense": dense}))
+            overlay.absorb(name, *latest(p, region.rows), dense=dense)
         elif coalesce:
             stats.bytes_written_back += region.write_back(*latest(p, region.rows))
         else:

@@ -58,7 +58,7 @@ from .threads import one_intra_op_thread
 from .arena import Arena, page_round
 from .journal import Journal, RecordType
 from .ondemand import PendingRows
-from .overlay import DEFAULT_BOUND, MANIFEST, RUNS_DIR, Overlay
+from .overlay import DEFAULT_BOUND, DENSE_FRACTION, MANIFEST, RUNS_DIR, Overlay
 from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
                           replay_rows, table_resets)
 from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
@@ -273,7 +273,8 @@ class MemoryPool:
                 if ov is not None:
                     bound = self.overlay_bound
                     ov.begin()
-                    self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else None)
+                    # (a bound of 0 empties the overlay: every page goes home)
+                    self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else DENSE_FRACTION)
                     ov.clean(bound)
                     self.stats.bytes_to_runs += ov.write()
                     self._unsynced |= ov.tables_home
@@ -351,7 +352,7 @@ class MemoryPool:
 
     # (compactor thread only, or inline while none runs: _applied and _unsynced are its state)
     def _write_back(self, refs, *, coalesce: bool = True, overlay: Overlay | None = None,
-                    dense: float | None = None) -> None:
+                    dense: float = DENSE_FRACTION) -> None:
         """Write the ROWS records of ``refs`` that are not written back yet into the images (with
         an ``overlay``: all of them, which it writes home or keeps in its new run)."""
         since = self._applied if overlay is None else 0
@@ -521,7 +522,7 @@ class MemoryPool:
             self._done_if_empty(p)
         if self._overlay is not None:
             self.wait_compaction()     # (not while a compaction decides where its rows go)
-            self._overlay.forget(name)
+            self._overlay.forget(name)   # (in memory; durable in _note_reset, after the image)
 
     def _count_replayed(self, n: int) -> None:
         self.stats.rows_replayed += n  # (called under the PendingRows' lock: no count is lost)
@@ -532,14 +533,18 @@ class MemoryPool:
 
     def _note_reset(self, name: str) -> None:
         """Table ``name`` was loaded whole into its image, durably (``Table.load_``): on a
-        journaled tier, a committed reset marker makes its older journal rows stop counting
-        (else the next open would replay them over the loaded rows). Written after the image is
-        synced: a crash before it leaves the load half-done as it would without the marker."""
-        if not self.journaled or not self.journal.txns:
-            return  # (a fresh journal holds no rows of it)
+        journaled tier its older journal rows (a committed reset marker) and its run values (the
+        runs' manifest) stop counting -- else the next open would put them back over the loaded
+        rows. Both written after the image is synced, one after the other: a crash before them
+        leaves the load half done, as it would without them."""
+        if not self.journaled:
+            return
         self.wait_compaction()
-        txn = self.journal.end(-1, {"kind": "reset", "table": name})
-        self._resets[name] = txn.end.seq
+        if self.journal.txns:  # (a fresh journal holds no rows of it)
+            txn = self.journal.end(-1, {"kind": "reset", "table": name})
+            self._resets[name] = txn.end.seq
+        if self._overlay is not None:
+            self._overlay.reset_table(name)
 
     def _remap(self, table: "Table") -> None:
         r = table._region
