@@ -7,9 +7,9 @@ so there the rows are at ``C`` before recovery starts; what recovery does:
 
 1. Verify everything it will use first, change nothing: the dense state of the target step and
    every ``UNDO`` record it will apply (checksums, table names, row ranges), and that no record
-   of the unfinished tail is damaged where it matters (direct tiers: a bad undo record followed
-   by a valid one). Any damage raises :class:`RecoveryError` (exit 4) and the pool is left as it
-   was.
+   of the unfinished tail is damaged where it matters (direct tiers: :func:`tail_damage`, by the
+   steps' logged marks). Any damage raises :class:`RecoveryError` (exit 4) and the pool is left
+   as it was.
 2. Apply the ``UNDO`` records of every step after the target, newest first (direct tiers: the
    unfinished steps changed rows in place; with several ranks, also committed steps after the
    step every rank committed). Persist the restored rows where that means something.
@@ -28,16 +28,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from memory_pool import MemoryPool
+from memory_pool import MemoryPool, fileio
 from memory_pool.errors import PoolCorruptError, PoolFormatError, RecoveryError
 from memory_pool.journal import RecordType, decode_row_set, encode_rows
+from memory_pool.records import decode_logged_mark, undo_group_of
 
 from .crash import CrashPlan
 from .digest import state_digest
 from .jobdir import is_job, job_of_rank
 from .store import RUNNING_MARKER, ckpt_dir, commit_doc, is_commit, unpack_dense
 
-__all__ = ["recover", "RecoveryReport", "checkpoint_status", "committed_state", "recover_pool"]
+__all__ = ["recover", "RecoveryReport", "checkpoint_status", "committed_state", "recover_pool", "tail_damage"]
 
 
 @dataclass
@@ -78,13 +79,68 @@ def committed_state(pool: MemoryPool, step: int | None = None) -> tuple[int | No
         raise RecoveryError(f"{exc.message} (dense state of step {txn.tag})") from None
 
 
+def tail_damage(j) -> str | None:
+    """Direct tiers: what is damaged in the journal's unfinished tail (after the newest END), as
+    a message, or None when it is at most torn.
+
+    The checkpointer's logged mark (``LOGGED``, checkpointing.undo) says which side of a step's
+    write-ahead barrier a crash came: it is durable after the step's ``UNDO`` records and before
+    any row of the step changes. So:
+
+    * a valid mark vouches for the ``UNDO`` records right before it (its undo group): each must
+      be in the valid tail. A bad one was durable when the rows it covers began to change:
+      **damage**. Applying the others and dropping it would leave those rows changed and say
+      the pool is consistent (the defect this fixes);
+    * a bad record followed only by valid ``UNDO`` records of one undo group that began at or
+      before it (no mark, no record of a later step) lies before its step's mark, which never
+      became durable: the step never changed a row, and the tail is **torn** (dropped). The
+      valid records before the bad one are applied all the same: at worst they put back what is
+      there;
+    * a bad record followed by nothing valid is torn, as it always was (a bad mark among them:
+      its step's ``UNDO`` records are all whole, and applied);
+    * anything else after a bad record (the old rule; what a writer without marks, whose records
+      carry no undo group, always gets): damage.
+    """
+    held = {r.seq: r for r in j.tail}
+    for m in j.tail:
+        if m.type != RecordType.LOGGED:
+            continue
+        try:
+            first, n = decode_logged_mark(j.read(m))
+        except (PoolCorruptError, ValueError) as exc:
+            return f"undo log damaged: the logged mark of step {m.tag} (journal record {m.seq}): {exc}"
+        undo = [held.get(s) for s in range(first, first + n)]
+        if m.seq != first + n or any(r is None or r.type != RecordType.UNDO or r.tag != m.tag for r in undo):
+            return (f"undo log damaged: the logged mark of step {m.tag} (journal record {m.seq}) vouches for "
+                    f"undo records {first}..{first + n - 1}, which the journal does not hold")
+    if not j.tail_damage:
+        return None  # no bad record with records after it: torn at most
+    marks = [r for r in j.tail_beyond if r.type == RecordType.LOGGED]
+    if marks:
+        return (f"undo log damaged: {j.tail_damage}; it lies before the logged mark of step {marks[0].tag} "
+                f"(journal record {marks[0].seq}): that step's rows had begun to change, and its undo records "
+                f"are what restores them")
+    # (the sequence number of the first record that is not in the valid tail: the bad one)
+    bad = j.tail[-1].seq + 1 if j.tail else (j.last.end.seq + 1 if j.last is not None else j.start_seq)
+    groups = set()
+    for r in j.tail_beyond:
+        try:
+            groups.add(undo_group_of(j.read(r)) if r.type == RecordType.UNDO else None)
+        except PoolCorruptError:
+            groups.add(None)
+    if len(groups) == 1 and None not in groups and min(groups) <= bad:
+        return None  # before its step's logged mark: the step never changed a row
+    return f"undo log damaged: {j.tail_damage}"
+
+
 def checkpoint_status(pool: MemoryPool) -> dict:
     """What the journal says, without changing anything (for ``inspect``)."""
     j = pool.journal
     commits = _commits(pool)
     c = commits[-1].tag if commits else None
     tail_steps = sorted({r.tag for r in j.tail if r.tag >= 0}) if j is not None else []
-    damaged = [j.tail_damage] if j is not None and j.tail_damage and not pool.journaled else []
+    damage = tail_damage(j) if j is not None and not pool.journaled else None
+    damaged = [damage] if damage else []
     marker = (ckpt_dir(pool.storage_dir) / RUNNING_MARKER).exists()
     # Journaled tiers: the rows of unfinished steps never reached durable media; opening the
     # pool already shows the newest commit, so readers need no recovery (the next writer drops
@@ -129,8 +185,8 @@ def _plan(pool: MemoryPool, target: int | None):
             raise RecoveryError(f"cannot roll back to step {target}: its records are gone "
                                 f"(the journal keeps commits {[t.tag for t in commits[-5:]]})")
         txn = older[-1]
-    if j.tail_damage and not pool.journaled:
-        raise RecoveryError(f"undo log damaged: {j.tail_damage}")
+    if not pool.journaled and (damage := tail_damage(j)):
+        raise RecoveryError(damage)
     _, dense = committed_state(pool, txn.tag)
     later = [t for t in j.txns if t.end.seq > txn.end.seq]
     refs = [r for t in later for r in t.records] + list(j.tail)
@@ -168,6 +224,9 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
     rep = RecoveryReport(str(pool.path), txn.tag if txn else None, bool(steps or pool.journal.tail), dry_run)
     if txn is None:
         rep.actions.append("no commit record: the pool holds no training state; nothing to do")
+    if pool.journal.tail_damage and not pool.journaled:  # (and not damage: _plan said so)
+        rep.actions.append(f"{pool.journal.tail_damage}: before its step's logged mark (the step changed no row), "
+                           f"{'would be' if dry_run else 'is'} dropped as a torn tail")
     rep.rolled_back_steps = steps
     rep.rows_restored = sum(ids.numel() for _, _, ids, _ in undo_plan)
     for k in steps:
@@ -204,7 +263,7 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
             j.end(txn.tag, commit_doc(txn.tag))
             rep.actions.append(f"step {txn.tag} is the newest recovery point again")
         for p in ckpt_dir(pool.storage_dir).glob(".*.tmp"):
-            p.unlink()
+            fileio.unlink(p)
             rep.actions.append(f"removed unfinished {p.name}")
     rep.seconds = time.perf_counter() - t0  # recovery itself; the digest below reads every row
     if digest and txn is not None:

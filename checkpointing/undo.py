@@ -22,6 +22,31 @@ What is written depends on where a store lands (``MemoryPool.journaled``):
   (``ROWS``) instead. (With several ranks, every tier also writes ``UNDO``: a rank may have to roll
   back past its own newest commit, to the step every rank committed.)
 
+**The logged mark** (direct tiers; TrainingCXL's persistent flag). Once a step's ``UNDO``
+records are durable, a ``LOGGED`` record is made durable after them, and only then may a row
+change (``persist`` waits for both). It tells recovery which side of the write-ahead barrier a
+crash came: a bad record of a step *before* its valid mark was durable when the step's rows
+began to change, so it is damage (exit 4, nothing changed); a step without a durable mark never
+changed a row, so whatever of its records is bad is a torn tail, dropped. (Without the mark a
+bad last ``UNDO`` record looked like a torn tail while the rows it covered had changed:
+recovery restored the others and said the pool was consistent.) Each of the step's ``UNDO``
+records carries its *undo group* (the sequence number of its first one) and the mark names the
+group and its size (``memory_pool.records``): the rules are in ``checkpointing.recovery``.
+What it costs a step:
+
+* shm (and dram): the journal is a shared mapping, never synced: a store into it is as durable
+  as it gets (outside the process: it survives the process's crash, which is all this tier
+  survives) and a crash keeps the stores made before it, in program order. The mark is the last
+  record of the records' own write, its header the last store: a valid mark implies every byte
+  before it. 56 bytes and a 16-byte checksum, no system call.
+* real pmem (a journal written with ``O_DIRECT`` and ``fdatasync``): a write may reach the
+  device in any order of its blocks before the sync returns, so a mark written with the records
+  could survive a power loss that tore them, and a step that never changed a row would be
+  refused as damaged. The mark is written after the records' ``fdatasync`` has returned and is
+  synced itself: one more block write and ``fdatasync`` per step (SQLite's rule for its END).
+* journaled tiers write no mark: an unfinished step's rows never reached durable media there,
+  so a torn or bad record of it never matters (with several ranks they still log ``UNDO``).
+
 ``commit(k)`` hands the transaction ``[ROWS] DENSE END(k)`` to the writer thread with the rows
 the step changed and the dense state's live tensors; the writer gathers the rows' after-images,
 packs the tensors (raw bytes, no pickle), appends the transaction and makes it durable with one
@@ -49,8 +74,10 @@ from typing import Callable
 import torch
 
 from memory_pool import MemoryPool
+from memory_pool import fileio
 from memory_pool.durable import atomic_write, fsync_dir
 from memory_pool.journal import Fill, RecordType, encode_row_set, encode_rows
+from memory_pool.records import encode_logged_mark
 from memory_pool.threads import one_intra_op_thread
 from memory_pool.validation import env_mib
 
@@ -127,6 +154,9 @@ class UndoLogCheckpointer(Checkpointer):
         self.coordinator = coordinator
         self.log_undo = not pool.journaled or coordinator is not None
         self.log_rows = pool.journaled
+        # The logged mark (see the module docstring): where a step's rows change in place on the
+        # surviving medium, i.e. where UNDO records are what recovery restores them from.
+        self.log_mark = self.log_undo and not pool.journaled
         self.stats = CheckpointStats()
         self.compact_bytes = default_compact_bytes(pool)
         self.apply_bytes = default_apply_bytes(self.compact_bytes, pool.used_bytes())
@@ -202,28 +232,44 @@ class UndoLogCheckpointer(Checkpointer):
 
     def _log_undo(self, cur: Step, bufs: dict) -> int:
         k = cur.k
+        j = self.journal
+        # The step's undo group: the sequence number of its first UNDO record. The writer
+        # thread is the journal's only appender while a checkpointer trains (one writer, see
+        # memory_pool.journal), so that is the next one.
+        group = j.next_seq if self.log_mark else None
+        mark = None
         try:
             gathers = self.pool.row_gathers(cur.touched)
-            if self.journal.mapped:
+            if j.mapped:
                 # Copied from the tables straight into the journal's mapping (no buffer, and one
                 # 4 MB copy less per `small` step); the before-images are views of the records,
                 # which stay where they are until a compaction after this step's commit.
                 groups: list = [None] * len(gathers)
-                recs = _gather_records(RecordType.UNDO, k, cur.touched, gathers, groups)
+                recs = _gather_records(RecordType.UNDO, k, cur.touched, gathers, groups, undo_group=group)
             else:
                 # (A direct write's buffer is reused by the next append: the before-images, kept
                 # until this step commits, are gathered into this step's own buffers first.)
                 groups = self.pool.copy_row_gathers(gathers, buffers=bufs)
-                recs = [(RecordType.UNDO, k, encode_row_set(tables, rows))
+                recs = [(RecordType.UNDO, k, encode_row_set(tables, rows, undo_group=group))
                         for tables, rows in _row_sets(cur.touched, groups)]
+            if self.log_mark:
+                mark = (RecordType.LOGGED, k, encode_logged_mark(group, len(recs)))
+            # Where the journal is never synced (shm, dram: a store into its shared mapping is
+            # all the durability there is, and a crash of the process keeps the stores made
+            # before it in program order), the mark rides in the records' own write, last: the
+            # journal stores each payload before its header, so the mark's header is the last
+            # store, and a valid mark implies that every UNDO byte before it was stored. Where a
+            # sync is what makes bytes durable, a write's blocks may reach the media in any
+            # order until it returns: the mark goes after the records' sync (below).
+            same_write = mark is not None and not j.sync
             half = len(recs) // 2
             if self.crash is not None and self.crash.at(k, "mid-log"):
-                for ref in self.journal.append_many(recs[:half]):
+                for ref in j.append_many(recs[:half]):
                     self._note_start(ref)
-                self.journal.flush()
+                j.flush()
                 self.crash.hit(k, "mid-log")
                 recs = recs[half:]
-            for ref in self.journal.append_many(recs):
+            for ref in j.append_many(recs + [mark] if same_write else recs):
                 self._note_start(ref)
         except BaseException as exc:
             # (the trainer's thread may be waiting for the before-images: it gets the cause)
@@ -232,7 +278,14 @@ class UndoLogCheckpointer(Checkpointer):
         cur.before = self.pool.rows_per_pair(cur.touched, groups)
         cur.gathered.set_result(cur.before)
         # Write-ahead rule: durable before any row it covers changes in place.
-        self.journal.flush()
+        j.flush()
+        if mark is not None and not same_write:
+            # The mark only once the records' sync has returned (a mark that could outlive
+            # records torn by a power loss would make recovery refuse a step that never changed
+            # a row), and durable itself before persist() lets a row change (a step whose rows
+            # changed without a durable mark would have a bad record taken for a torn tail).
+            j.append_many([mark])
+            j.flush()
         n = _payload_bytes(gathers)
         self.stats.log_bytes += n
         return n
@@ -458,17 +511,19 @@ class _Inline:
         pass
 
 
-def _gather_records(rtype: int, step: int, touched: list, gathers: list, out: list | None = None) -> list:
+def _gather_records(rtype: int, step: int, touched: list, gathers: list, out: list | None = None, *,
+                    undo_group: int | None = None) -> list:
     """One journal record per :class:`~memory_pool.pool.RowGather`, whose rows are copied from
     the tables straight to where the record is written. ``out[i]``: set to ``(pair indexes,
-    the rows as written)`` (a view of the record) as group ``i`` is copied."""
+    the rows as written)`` (a view of the record) as group ``i`` is copied. ``undo_group``: see
+    :func:`memory_pool.records.encode_row_set`."""
     recs = []
     for i, g in enumerate(gathers):
         tables = [(touched[j][0].name, touched[j][1]) for j in g.idx]
         if not g.rows:
             if out is not None:
                 out[i] = (g.idx, g.src[:0])
-            recs.append((rtype, step, encode_row_set(tables, g.src[:0])))
+            recs.append((rtype, step, encode_row_set(tables, g.src[:0], undo_group=undo_group)))
             continue
 
         def fill(dest, g=g, i=i) -> None:
@@ -476,7 +531,8 @@ def _gather_records(rtype: int, step: int, touched: list, gathers: list, out: li
             if out is not None:
                 out[i] = (g.idx, rows)
 
-        recs.append((rtype, step, encode_row_set(tables, Fill(g.rows * g.row_bytes, fill), g.row_bytes)))
+        recs.append((rtype, step, encode_row_set(tables, Fill(g.rows * g.row_bytes, fill), g.row_bytes,
+                                                 undo_group=undo_group)))
     return recs
 
 
@@ -579,7 +635,7 @@ class NoCheckpointer(Checkpointer):
             self.stats.table_bytes_persisted += t_bytes
             self.stats.dense_bytes += d_bytes
         try:
-            os.unlink(self.dir / RUNNING_MARKER)
+            fileio.unlink(self.dir / RUNNING_MARKER)
             fsync_dir(self.dir)
         except FileNotFoundError:
             pass

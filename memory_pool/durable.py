@@ -18,6 +18,7 @@ import os
 import zlib
 from pathlib import Path
 
+from . import fileio
 from .errors import PoolCorruptError, PoolFullError, PoolIOError
 
 __all__ = ["atomic_write", "fsync_dir", "pwrite_all", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "parse_json_object",
@@ -36,20 +37,9 @@ def raise_if_full(exc: OSError, what: str) -> None:
     raise exc
 
 
-def pwrite_all(fd: int, buf, off: int) -> None:
-    """``pwrite`` all of ``buf`` at ``off`` (a write may be short: a signal, a file size limit)."""
-    buf = memoryview(buf).cast("B")
-    while buf:
-        n = os.pwrite(fd, buf, off)
-        buf, off = buf[n:], off + n
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# (Both through the I/O layer, memory_pool/fileio.py, which an emulated power loss watches.)
+pwrite_all = fileio.pwrite
+fsync_dir = fileio.fsync_dir
 
 
 def atomic_write(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
@@ -57,22 +47,19 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, durable: bool = True) 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            fileio.pwrite(fd, data, 0)
             if durable:
-                os.fsync(fd)  # contents durable before the name points at them
+                fileio.fsync(fd)  # contents durable before the name points at them
         finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            fileio.close(fd)
+        fileio.rename(tmp, path)
         if durable:
             fsync_dir(path.parent)  # the rename itself is durable only once the directory is
     except OSError as exc:
         try:
-            os.unlink(tmp)
+            fileio.unlink(tmp)
         except OSError:
             pass
         raise_if_full(exc, f"writing {path}")

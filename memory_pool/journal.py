@@ -97,6 +97,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .arena import Arena, page_round
+from . import fileio
 from .durable import atomic_write, fsync_dir, pwrite_all, raise_if_full
 from .records import (Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, encode_row_set,  # noqa: F401
                       encode_rows, part_bytes)
@@ -125,6 +126,7 @@ class RecordType(enum.IntEnum):
     END = 2     # transaction end: tag + JSON document
     UNDO = 3    # before-images of rows (the checkpointer's undo log)
     DENSE = 4   # the dense state of a step (the checkpointer's recovery point)
+    LOGGED = 5  # a step's undo records are durable; its rows may change from here on (checkpointing.undo)
 
 
 class JournalCorruptError(PoolCorruptError):
@@ -263,6 +265,7 @@ class Journal:
 
     def _scan(self) -> None:
         segs: list[_Segment] = []
+        self._stray: Path | None = None   # an empty last segment, removed by the first append
         start = self._start_seq()
         paths = sorted(self.dir.glob("seg-*.log")) if self.dir.is_dir() else []
         for p in paths:
@@ -273,13 +276,16 @@ class Journal:
             if first < start:
                 # Absorbed by a compaction that was interrupted after START was written: dead.
                 if not self.read_only:
-                    p.unlink()
+                    fileio.unlink(p)
                 continue
             segs.append(_Segment(p, first, p.stat().st_size))
         self._free = sorted(self.dir.glob("free-*.log")) if self.dir.is_dir() else []
         self.txns: list[TxnInfo] = []
         self.tail: list[RecordRef] = []       # valid records after the newest END
         self.tail_damage: str | None = None   # a bad record in the tail with valid records after it
+        # The valid records after the tail's first bad one: whether that one is torn or damaged
+        # is for the tail's writer to say (the checkpointer's logged mark, checkpointing.recovery).
+        self.tail_beyond: list[RecordRef] = []
         self.torn_bytes = 0                   # bytes of the torn tail (ignored)
         expect = start
         if segs and segs[0].first_seq != start:
@@ -304,10 +310,10 @@ class Journal:
                 if not ok:
                     if i == len(segs) - 1 and not pending and seg.size == 0:
                         # Created, killed before its header was written: it holds nothing, not
-                        # even a torn byte (an append would otherwise write at its offset 0).
+                        # even a torn byte. Left as it is until the first append removes it (an
+                        # open that then refuses the pool changes nothing).
                         segs.pop()
-                        if not self.read_only:
-                            seg.path.unlink()
+                        self._stray = seg.path
                         break
                     if i == len(segs) - 1 and not pending and seg.size <= SEG.size:
                         bad = (seg, 0, "segment header torn")  # created, header not yet durable
@@ -356,6 +362,7 @@ class Journal:
             if later:
                 self.tail_damage = (f"journal segment {seg.path.name} at byte {off}: {why}, with "
                                     f"{len(later)} valid records after it")
+            self.tail_beyond = later
             # A recycled segment's bytes after its valid records are its previous life (stale,
             # never read, overwritten by the next append), not a torn write.
             self.torn_bytes = 0 if recycled and why == "bad header" else seg.path.stat().st_size - off
@@ -365,6 +372,7 @@ class Journal:
             if crc32c([self._pread(ref)]) != ref.crc:
                 if k + 1 < len(pending):
                     self.tail_damage = f"journal record {ref.seq} fails its checksum, with valid records after it"
+                self.tail_beyond = [r for r in pending[k + 1:] if crc32c([self._pread(r)]) == r.crc] + self.tail_beyond
                 pending = pending[:k]
                 seg = next(s for s in segs if s.path == ref.segment)
                 self.torn_bytes += seg.size - ref.offset
@@ -485,23 +493,24 @@ class Journal:
                         # is not the log's; only the torn records were the log's)
                         removed += self.torn_bytes + sum(REC.size + r.length for r in self.tail
                                                          if r.segment == s.path) if s.stale_after else size - end
-                        fd = os.open(s.path, os.O_RDWR)
+                        fd = fileio.open(s.path, os.O_RDWR)
                         try:
-                            os.ftruncate(fd, end)
-                            os.fdatasync(fd)
+                            fileio.ftruncate(fd, end)
+                            fileio.fdatasync(fd)
                         finally:
-                            os.close(fd)
+                            fileio.close(fd)
                     s.size, s.last_seq = end, last.end.seq
                     keep.append(s)
                 elif last is not None and s.first_seq <= last.end.seq:
                     keep.append(s)
                 else:
                     removed += s.path.stat().st_size
-                    s.path.unlink()
+                    fileio.unlink(s.path)
             self._segs = keep
             fsync_dir(self.dir)
             self.tail = []
             self.tail_damage = None
+            self.tail_beyond = []
             self.torn_bytes = 0
             self.next_seq = last.end.seq + 1 if last is not None else self._start_seq()
             self._tail_clean = True
@@ -510,6 +519,9 @@ class Journal:
     def _current(self) -> _Segment:
         if self._fd is not None:
             return self._segs[-1]
+        if self._stray is not None:
+            fileio.unlink(self._stray, missing_ok=True)  # (see _scan: an empty segment)
+            self._stray = None
         if not self._tail_clean:
             raise NeedsRecoveryError(f"journal {self.dir}: a crash left an unfinished transaction after the "
                                      f"last commit; appending now would seal it")
@@ -522,7 +534,7 @@ class Journal:
                 self._segs.pop()  # it holds no record: started again under the same name
             self._new_segment()
         else:
-            self._fd = os.open(last.path, os.O_RDWR)
+            self._fd = fileio.open(last.path, os.O_RDWR)
             self._start_direct(last)
         return self._segs[-1]
 
@@ -547,7 +559,7 @@ class Journal:
         self._map = None  # (stays in self._maps for the file's next life)
         self._tail_block = b""
         if self._fd is not None:
-            os.close(self._fd)
+            fileio.close(self._fd)
             self._fd = None
 
     def _new_segment(self) -> None:
@@ -555,17 +567,17 @@ class Journal:
         seg = _Segment(self.dir / _seg_name(self.next_seq), self.next_seq, SEG.size)
         fd = self._reuse_free(seg) if self._free else None
         if fd is None:
-            fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = fileio.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 # Mapped: sized up front (allocated a chunk at a time as it fills, _prepare), so
                 # flagged as a recycled one is (header first: a crash before the resize leaves a
                 # small valid segment).
                 # Direct: flagged too (its last block is padded with zeros after the records).
-                os.pwrite(fd, _seg_header(self.next_seq, SEG_RECYCLED if self.mapped or self.direct else 0), 0)
+                fileio.pwrite(fd, _seg_header(self.next_seq, SEG_RECYCLED if self.mapped or self.direct else 0), 0)
                 if self.mapped:
-                    os.ftruncate(fd, self.segment_bytes + MAP_SLACK)
+                    fileio.ftruncate(fd, self.segment_bytes + MAP_SLACK)
             except OSError as exc:
-                os.close(fd)
+                fileio.close(fd)
                 raise_if_full(exc, f"creating journal segment {seg.path}")
             seg.stale_after = self.mapped or self.direct
         self._fd = fd
@@ -579,16 +591,16 @@ class Journal:
         """Open a reclaimed segment as ``seg`` (see "Recycling"); None if that fails."""
         free = self._free.pop()
         try:
-            fd = os.open(free, os.O_RDWR)
+            fd = fileio.open(free, os.O_RDWR)
         except OSError:
             return None
         try:
-            os.pwrite(fd, _seg_header(seg.first_seq, SEG_RECYCLED), 0)
+            fileio.pwrite(fd, _seg_header(seg.first_seq, SEG_RECYCLED), 0)
             if self.sync:
-                os.fdatasync(fd)  # the new header durable before the file has a seg- name
-            os.rename(free, seg.path)
+                fileio.fdatasync(fd)  # the new header durable before the file has a seg- name
+            fileio.rename(free, seg.path)
         except OSError:
-            os.close(fd)
+            fileio.close(fd)
             return None
         seg.stale_after = True
         self.recycled += 1
@@ -603,6 +615,8 @@ class Journal:
             if m is None or m.ready < end:
                 m = self._prepare(end)
             dest, base = m.view, 0
+            if fileio.needs_notes(self._fd):  # stores into a mapping: noted first (fileio)
+                fileio.note_range(self._fd, off0, dest[off0:end])
         else:
             # Built in an aligned buffer, then written with one call. Direct: from the start of
             # the block holding off0, whose first bytes are written again, unchanged.
@@ -679,7 +693,7 @@ class Journal:
                 # than its records.
                 size = max(end + MAP_CHUNK, self.segment_bytes + MAP_SLACK) if seg.stale_after else end
                 try:
-                    os.ftruncate(self._fd, size)
+                    fileio.ftruncate(self._fd, size)
                 except OSError as exc:
                     raise_if_full(exc, f"growing journal segment {seg.path}")
             m = mmap.mmap(self._fd, size)
@@ -690,7 +704,7 @@ class Journal:
             try:
                 # Allocated, not a hole: a store into a hole of a full tmpfs is a SIGBUS; this
                 # fails with ENOSPC instead.
-                os.posix_fallocate(self._fd, lo, hi - lo)
+                fileio.fallocate(self._fd, lo, hi - lo)
             except OSError as exc:
                 raise_if_full(exc, f"growing journal segment {seg.path}")
             try:
@@ -750,7 +764,7 @@ class Journal:
         """Make every appended record durable (``fdatasync``): the write-ahead barrier."""
         if self._fd is not None and self.sync:
             try:
-                os.fdatasync(self._fd)
+                fileio.fdatasync(self._fd)
             except OSError as exc:
                 raise_if_full(exc, f"syncing journal {self.dir}")
             self.syncs += 1
@@ -835,11 +849,11 @@ class Journal:
                 # that much disk for reuse, 16 of them several GB.)
                 if len(self._free) < KEEP_FREE and s.path.stat().st_size <= self.segment_bytes + MAP_SLACK:
                     free = self.dir / f"free-{s.first_seq:016x}.log"
-                    os.rename(s.path, free)  # kept for reuse; START already says it is dead
+                    fileio.rename(s.path, free)  # kept for reuse; START already says it is dead
                     self._free.append(free)
                 else:
                     self._drop_mapping(s.path)
-                    s.path.unlink()
+                    fileio.unlink(s.path)
             self._segs = self._segs[len(done):]
             self.txns = [t for t in self.txns if t.end.seq >= new_start]
         if self.sync:

@@ -76,6 +76,7 @@ import torch
 from crc32c import crc32c as _crc32c
 
 from .arena import PAGE, Arena, page_round
+from . import fileio
 from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc, parse_json_object, pwrite_all, raise_if_full
 from .errors import PoolCorruptError
 from .records import crc32c_extend
@@ -261,10 +262,10 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
     ilen = -(-fixed // 8) * 8 + sum(8 * (tables[n][1].numel() + tables[n][3].numel()) for n in names) + 4 * nblocks + 4
     ioff = PAGE
     doff = page_round(ioff + ilen)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = fileio.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
-            os.ftruncate(fd, doff + dlen)   # (its size whatever its last part: a run of tombstones has no rows)
+            fileio.ftruncate(fd, doff + dlen)   # (its size whatever its last part: a run of tombstones has no rows)
             for n, start in zip(names, starts):
                 rows = tables[n][2]
                 if rows.numel():
@@ -297,21 +298,21 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
             pwrite_all(fd, index, ioff)
             head = HEAD.pack(RUN_MAGIC, RUN_VERSION, len(names), gen, ioff, ilen, doff, dlen, BLOCK)
             pwrite_all(fd, head + struct.pack("<I", crc32c_extend(0, head)), 0)
-            os.fdatasync(fd)
+            fileio.fdatasync(fd)
             return doff + dlen
         except OSError as exc:
             raise_if_full(exc, f"writing run {path}")
     except BaseException:
-        os.close(fd)
+        fileio.close(fd)
         fd = -1
         try:
-            os.unlink(path)
+            fileio.unlink(path)
         except OSError:
             pass
         raise
     finally:
         if fd >= 0:
-            os.close(fd)
+            fileio.close(fd)
 
 
 @dataclass
@@ -393,9 +394,11 @@ class Overlay:
         if not read_only and self.dir.is_dir():
             # Run files no manifest names: written before a crash, or cleaned and not yet deleted.
             live = {r.path.name for r in self.runs}
-            for p in self.dir.glob("run-*.bin"):
-                if p.name not in live:
-                    p.unlink()
+            stray = [p for p in self.dir.glob("run-*.bin") if p.name not in live]
+            for p in stray:
+                fileio.unlink(p)
+            if stray:
+                fsync_dir(self.dir)  # removed for good (a power loss would bring them back)
 
     # -- what the runs hold
     @property
@@ -555,6 +558,25 @@ class Overlay:
             if any(name in r.tables for r in self.runs):
                 self.reset[name] = self.next_gen
                 self._write_manifest(self.runs, self.next_gen)
+
+    def note_resets(self, gens: dict[str, int]) -> bool:
+        """Resets that the journal's reset markers commit (``gens[table]``: the generation the
+        table's run values count from again; see ``MemoryPool._note_reset``), merged into
+        ``reset`` at an open, before :meth:`attach`. The marker is the reset's commit point and
+        the manifest holds its copy, written after it: a crash between the two leaves the
+        manifest without it. True when it did lack one (:meth:`save_manifest` writes it)."""
+        changed = False
+        with self._lock:
+            for name, gen in gens.items():
+                if gen > self.reset.get(name, 0):
+                    self.reset[name] = gen
+                    changed = True
+        return changed
+
+    def save_manifest(self) -> None:
+        """Write the manifest for the runs as they are (after :meth:`note_resets`)."""
+        with self._lock:
+            self._write_manifest(self.runs, self.next_gen)
 
     def _write_manifest(self, runs: list[Run], next_gen: int) -> None:
         doc = {"format": 1, "next_gen": next_gen, "reset": self.reset,
@@ -724,10 +746,7 @@ class Overlay:
             for r in plan.cleaned:
                 r.close()
                 self._free_slots.append(r.slot)
-                try:
-                    r.path.unlink()
-                except FileNotFoundError:
-                    pass
+                fileio.unlink(r.path, missing_ok=True)
         if plan.cleaned:
             fsync_dir(self.dir)
 

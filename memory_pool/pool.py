@@ -20,6 +20,7 @@ privately, so they never change them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -34,6 +35,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
+from . import fileio
 from .durable import atomic_write
 from ._native import libpmem
 from .cache import RowCache
@@ -154,7 +156,15 @@ class MemoryPool:
         t_open = time.perf_counter()
         self.stats = PoolStats()
         self._tables: dict[str, Table] = {}
-        self._meta_lock = threading.Lock()
+        self._watched = False   # emulated power loss on (set below, once the tier is known)
+        # The header's lock: every read-modify-write of self._header and of its temporary file
+        # (set_meta, create_table, and the compactor's thread writing format version 3 before
+        # the overlay's first manifest) holds it, or one of two racing writers loses its update.
+        self._meta_lock = threading.RLock()
+        # Held by a compaction or a write-back pass for as long as it runs (on the compactor's
+        # thread, or inline), and by a bulk load (Table.load_, fill_) from before it forgets the
+        # table's pending rows until its reset is committed: see _bulk_load.
+        self._image_lock = threading.RLock()
         self._compactor = Compactor()
         self.journal: Journal | None = None
         try:
@@ -167,6 +177,12 @@ class MemoryPool:
             self._real_pmem = (self.tier == "pmem" and use_libpmem is not False and libpmem() is not None
                                and detect_dax(self.storage_dir))
             self.journaled = is_journaled(self.tier, self._real_pmem)
+            # Emulated power loss (memory_pool/fileio.py): power-sim always, emulated pmem when
+            # the crash tests ask for it. From here on every file operation of the pool is watched.
+            self._watched = self.journaled and not read_only and rows and (
+                self.tier == "power-sim" or os.environ.get(fileio.ENV) == "1")
+            if self._watched:
+                fileio.watch(self.storage_dir)
             runs_dir = self.storage_dir / RUNS_DIR
             has_runs = self.journaled and rows and (runs_dir / MANIFEST).exists()
             # The pool's journal: rows persisted on a journaled tier, and the checkpointer's
@@ -223,8 +239,13 @@ class MemoryPool:
                 # against 1.05 s after a power loss on `kaggle`; the journal's scan of record
                 # headers waits behind the index reads, and both halves fault in fresh memory.)
                 self._overlay = Overlay(runs_dir, read_only=read_only)
+                unsaved_resets = self._note_run_resets()
                 self._overlay.attach({n: t._region for n, t in self._tables.items()},
                                      {n: torch.cat([ids for ids, _ in parts]) for n, parts in plan.items()})
+                if unsaved_resets and not read_only:
+                    # A crash came between a reset marker and the manifest's copy of it: the
+                    # copy now, before a compaction can drop the marker.
+                    self._overlay.save_manifest()
             if plan and window is not None:
                 self._pending = PendingRows(plan, {n: t._region for n, t in self._tables.items()}, window,
                                             on_apply=self._count_replayed)
@@ -301,12 +322,13 @@ class MemoryPool:
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
-            self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self.journaled else None)
-            if self._overlay is not None:
-                self._overlay.finish()  # (after START moved: the cleaned runs' files go)
-            if self.journaled and self.journal.start_seq > self._applied:
-                self._applied = self.journal.start_seq
-                self._vouch()
+            with self._image_lock:  # (never beside a bulk load into an image: _bulk_load)
+                self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self.journaled else None)
+                if self._overlay is not None:
+                    self._overlay.finish()  # (after START moved: the cleaned runs' files go)
+                if self.journaled and self.journal.start_seq > self._applied:
+                    self._applied = self.journal.start_seq
+                    self._vouch()
             self.stats.compactions += 1
             self.stats.compact_seconds += time.perf_counter() - t0
             self.stats.compact_cpu_seconds += time.thread_time() - c0
@@ -338,12 +360,13 @@ class MemoryPool:
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
-            refs, upto = self.journal.sealed_refs(self._applied)
-            if upto is None:
-                return
-            self._write_back(refs, coalesce=False)
-            self._applied = upto
-            self._vouch()
+            with self._image_lock:  # (never beside a bulk load into an image: _bulk_load)
+                refs, upto = self.journal.sealed_refs(self._applied)
+                if upto is None:
+                    return
+                self._write_back(refs, coalesce=False)
+                self._applied = upto
+                self._vouch()
             self.stats.applies += 1
             self.stats.compact_seconds += time.perf_counter() - t0
             self.stats.compact_cpu_seconds += time.thread_time() - c0
@@ -387,6 +410,17 @@ class MemoryPool:
             # page cache no longer vouches for anything.
             if self._mark is not None:
                 self._mark.remove()
+            # Nor does a retried fdatasync: Linux reports a failed write-back once, marks the
+            # pages clean (their bytes in the cache, or dropped and read back old from the disk),
+            # and the next fdatasync of the file says success without writing them. So every
+            # row written back since the last good sync -- since the journal's START, which only
+            # moves after one -- is written again by the next compaction before any sync that
+            # lets the journal go (we rewrite rather than refuse: the journal still holds every
+            # such row, so rewriting them is the replay a reopen would do). An apply() pass in
+            # between starts from START too.
+            if self.journal is not None:
+                self._applied = self.journal.start_seq
+                self._unsynced |= set(self._tables)
             raise
         self._unsynced.clear()
 
@@ -515,13 +549,27 @@ class MemoryPool:
         if runs and ov is not None and ov.pending_rows:
             self.stats.run_rows_replayed += ov.take_all()
 
+    @contextlib.contextmanager
+    def _bulk_load(self, name: str):
+        """Around a bulk load of table ``name`` into its image (``Table.load_``, ``fill_``), from
+        before its pending rows are forgotten until its reset is committed: no compaction and no
+        write-back pass runs. Both write the table's older journal rows (the overlay its run
+        rows) into the same image: one running beside the load put them back over the loaded
+        rows (1.0 read where 5.0 was loaded, in memory and after a reopen). One running now is
+        waited for (and its error raised); one started meanwhile waits for the lock, and then
+        finds the reset committed (it skips the rows older than it)."""
+        self.wait_compaction()
+        with self._image_lock:
+            self._forget_pending(name)
+            yield
+
     def _forget_pending(self, name: str) -> None:
+        # (inside _bulk_load: no compaction decides where the table's rows go meanwhile)
         p = self._pending
         if p is not None:
             p.forget(name)
             self._done_if_empty(p)
         if self._overlay is not None:
-            self.wait_compaction()     # (not while a compaction decides where its rows go)
             self._overlay.forget(name)   # (in memory; durable in _note_reset, after the image)
 
     def _count_replayed(self, n: int) -> None:
@@ -533,18 +581,40 @@ class MemoryPool:
 
     def _note_reset(self, name: str) -> None:
         """Table ``name`` was loaded whole into its image, durably (``Table.load_``): on a
-        journaled tier its older journal rows (a committed reset marker) and its run values (the
-        runs' manifest) stop counting -- else the next open would put them back over the loaded
-        rows. Both written after the image is synced, one after the other: a crash before them
-        leaves the load half done, as it would without them."""
+        journaled tier its older journal rows and its run values stop counting -- else the next
+        open would put them back over the loaded rows. Written after the image is synced: a
+        crash before it leaves the load half done, as it would without it.
+
+        One commit point: the reset marker, a journal transaction. With runs it also names the
+        overlay's next generation (``runs_from``), so that the table's values in older runs stop
+        counting at the same commit (an open honours it, see _note_run_resets); the manifest's
+        ``reset`` written after it is its copy, which outlives the marker once a compaction has
+        dropped it. (As two durable steps, a crash between them left the old run values
+        applied over the loaded rows, silently.) A journal without a transaction holds no row
+        of the table: the manifest alone is then the commit point. Inside _bulk_load: no
+        compaction runs meanwhile (waiting for one here, under its lock, would never end)."""
         if not self.journaled:
             return
-        self.wait_compaction()
+        ov = self._overlay
         if self.journal.txns:  # (a fresh journal holds no rows of it)
-            txn = self.journal.end(-1, {"kind": "reset", "table": name})
+            doc = {"kind": "reset", "table": name}
+            if ov is not None:
+                doc["runs_from"] = ov.next_gen
+            txn = self.journal.end(-1, doc)
             self._resets[name] = txn.end.seq
-        if self._overlay is not None:
-            self._overlay.reset_table(name)
+        if ov is not None:
+            ov.reset_table(name)
+
+    def _note_run_resets(self) -> bool:
+        """At an open with runs: the reset markers in the journal (``runs_from``, _note_reset)
+        make their table's values in older runs stop counting, whether or not the manifest says
+        so yet (a crash may have come between the two). True when the manifest did not."""
+        gens: dict[str, int] = {}
+        for txn in self.journal.txns:
+            doc = txn.doc
+            if doc.get("kind") == "reset" and isinstance(doc.get("table"), str) and isinstance(doc.get("runs_from"), int):
+                gens[doc["table"]] = max(gens.get(doc["table"], 0), doc["runs_from"])
+        return self._overlay.note_resets(gens)
 
     def _remap(self, table: "Table") -> None:
         r = table._region
@@ -660,9 +730,31 @@ class MemoryPool:
             lock_fd = cls._lock(path, shared=True) if consistent else None
         else:
             lock_fd = cls._lock(path)
+        if header["tier"] in ("pmem", "power-sim") and fileio.pending(path):
+            header = cls._power_on(path, header, locked=lock_fd is not None and not read_only)
         # On failure __init__ closes what it opened, the lock included.
         return cls(path, header, read_only=read_only, lock_fd=lock_fd,
                    dram_cache_bytes=dram_cache_bytes, use_libpmem=use_libpmem, rows=rows, replay=replay)
+
+    @classmethod
+    def _power_on(cls, path: Path, header: dict, *, locked: bool) -> dict:
+        """The emulated power loss a crashed writer left (memory_pool/fileio.py): what it never
+        synced is taken back, before anything of the pool is read. Needs the writer lock (a
+        reader takes it for the moment; beside a live writer there was no power loss)."""
+        probe = None
+        if not locked:
+            try:
+                probe = cls._lock(path)
+            except PoolLockedError:
+                return header
+        try:
+            fileio.power_on(path)
+            # A power loss is a reboot: the applied mark in RAM (pmem) vouches for nothing now.
+            AppliedMark(header["pool_id"], lambda: [], path).remove()
+        finally:
+            if probe is not None:
+                os.close(probe)
+        return read_header(path)
 
     @staticmethod
     def _lock(path: Path, *, shared: bool = False) -> int | None:
@@ -828,15 +920,22 @@ class MemoryPool:
         try:
             if init != "zeros":
                 table.fill_(init, scale=scale, seed=seed)
-            self._tables[name] = table
-            self._write_header()
+            if table._region.tier in ("pmem", "power-sim"):
+                # The image and its name durable before the header lists it: a power loss
+                # after the header's write must not leave a table file that is missing or short.
+                fileio.fsync(table._region.fd)
+                fileio.fsync_dir(table._region.path.parent)
+            with self._meta_lock:  # (no other header write lists the table before this one, or misses it after)
+                self._tables[name] = table
+                self._write_header()
         except BaseException:
-            self._dram_left = dram_left
-            self._tables.pop(name, None)
+            with self._meta_lock:
+                self._dram_left = dram_left
+                self._tables.pop(name, None)
             table._region.close()
             if table._region.tier != "dram":
                 try:
-                    os.unlink(table._region.path)
+                    fileio.unlink(table._region.path)
                 except OSError:
                     pass
             raise
@@ -852,10 +951,13 @@ class MemoryPool:
 
     def _write_header(self, **changes) -> None:
         """Write the header for the current tables (plus ``changes``); the in-memory header is
-        replaced only once the new one is durable, so a failed write changes nothing."""
-        header = {**self._header, **changes, "tables": [asdict(t.config) for t in self._tables.values()]}
-        atomic_write(self.path / HEADER, header_bytes(header))
-        self._header = header
+        replaced only once the new one is durable, so a failed write changes nothing. Under the
+        header's lock: the compactor's thread calls it too (format version 3), and two writers
+        would each start from the same old header (and share its temporary file)."""
+        with self._meta_lock:
+            header = {**self._header, **changes, "tables": [asdict(t.config) for t in self._tables.values()]}
+            atomic_write(self.path / HEADER, header_bytes(header))
+            self._header = header
 
     def lookup(self, kjt, tables: Mapping[str, str] | None = None):
         """Sum-pooled lookup of a TorchRec ``KeyedJaggedTensor``.
@@ -873,6 +975,14 @@ class MemoryPool:
         if lengths.numel() != B * K:
             raise InvalidIdsError(f"lookup: KeyedJaggedTensor has {lengths.numel()} lengths, expected "
                                   f"{K} keys x batch {B}", hint="variable batch size per key is not supported")
+        # A negative length makes the offsets decrease, and torch's embedding_bag then fails with a
+        # bare RuntimeError or reads out of bounds (a segfault): refuse it first (B*K values, cheap).
+        if lengths.numel() and int(lengths.min()) < 0:
+            j = int(torch.nonzero(lengths.reshape(-1) < 0)[0])
+            raise InvalidIdsError(
+                f"lookup: KeyedJaggedTensor length {int(lengths.reshape(-1)[j])} is negative (key "
+                f"{keys[j // B]!r}, bag {j % B} of batch {B})",
+                hint="every bag's length must be >= 0; check how the KeyedJaggedTensor was built")
         # Offsets of every bag of every key in one pass: cum[j] = start of bag j in values.
         cum = torch.zeros(B * K + 1, dtype=torch.int64)
         torch.cumsum(lengths.to(torch.int64), 0, out=cum[1:])
@@ -905,8 +1015,9 @@ class MemoryPool:
         on a journaled tier, one group commit for all tables."""
         self._check_writable()
         t0 = time.perf_counter()
+        # (dirty until the transaction is durable: a failed persist leaves them to its retry)
         n = persist_rows(self.journal if self.journaled else None,
-                         [(t, t._region.take_dirty()) for t in self._tables.values()])
+                         [(t, t._region.dirty_rows()) for t in self._tables.values()])
         st = self.stats
         st.persist_calls += 1
         st.bytes_persisted += n
@@ -943,6 +1054,15 @@ class MemoryPool:
         # (the working copy: on `kaggle` several GB) must not: with no reference left here it is
         # unmapped now, or when the last view a caller still holds is gone.
         self._arena = None
+        if self._watched:
+            # Closing is a moment the power may go: what this process never synced is taken
+            # back now (fileio.power_on), so the files a closed pool leaves are exactly its
+            # durable state. A process that dies instead leaves its undo log to the next open.
+            fileio.unwatch(self.storage_dir)
+            self._watched = False
+            if self._lock_fd is not None:
+                fileio.power_on(self.storage_dir)
+                AppliedMark(self._header["pool_id"], lambda: [], self.path).remove()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

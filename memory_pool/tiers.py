@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from . import fileio
 from .durable import pwrite_all, raise_if_full
 from ._native import libpmem
 from .arena import Arena
@@ -120,7 +121,9 @@ class Region:
                 self._dirty[ids] = True
 
     def take_dirty(self) -> torch.Tensor:
-        """The dirty rows (sorted), cleared."""
+        """The dirty rows (sorted), cleared. Only for rows that need no persisting any more (a
+        bulk load replaced them durably): a persist reads them with :meth:`dirty_rows` and
+        clears them with :meth:`clear_dirty` once its transaction is durable."""
         if not self._dirty.numel():
             return torch.empty(0, dtype=torch.int64)
         with self._lock:
@@ -128,7 +131,17 @@ class Region:
             self._dirty.zero_()
         return ids
 
+    def dirty_rows(self) -> torch.Tensor:
+        """The dirty rows (sorted), left dirty: they stay so until the transaction that persists
+        them is durable (``persistence.persist_rows`` clears them then), so that a persist that
+        fails (a full disk) leaves them for the retry."""
+        if not self._dirty.numel():
+            return torch.empty(0, dtype=torch.int64)
+        with self._lock:
+            return torch.nonzero(self._dirty).flatten()
+
     def clear_dirty(self, ids: torch.Tensor) -> None:
+        """Rows ``ids`` are durable: no longer dirty."""
         if self._dirty.numel():
             with self._lock:
                 self._dirty[ids] = False
@@ -174,14 +187,14 @@ class FileRegion(Region):
         flags = os.O_RDONLY if read_only else os.O_RDWR
         if create:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        self.fd = os.open(self.path, flags, 0o644)
+        self.fd = fileio.open(self.path, flags, 0o644)
         try:
             if create:
                 try:
                     # Reserve every block now, so that a full disk fails here, at creation,
                     # and never later as a SIGBUS in the middle of an in-place update (or of a
                     # journal write-back).
-                    os.posix_fallocate(self.fd, 0, self.nbytes)
+                    fileio.fallocate(self.fd, 0, self.nbytes)
                 except OSError as exc:
                     raise_if_full(exc, f"allocating {self.nbytes} bytes for {self.path}")
             size = os.fstat(self.fd).st_size
@@ -194,10 +207,10 @@ class FileRegion(Region):
                                     hint="open the pool again: the range is sized for all its tables")
             arena.map_file(self.offset, self.fd, self.nbytes, shared=self.shared, writable=not read_only)
         except BaseException:
-            os.close(self.fd)
+            fileio.close(self.fd)
             if create:
                 try:
-                    os.unlink(self.path)
+                    fileio.unlink(self.path)
                 except OSError:
                     pass
             raise
@@ -245,6 +258,8 @@ class FileRegion(Region):
         is_break = ids[1:] != ids[:-1] + 1
         if ids.numel() * rb < (int(is_break.sum()) + 1) * _LONG_RUN:
             with self.home() as home:
+                if fileio.needs_notes(self.fd):  # a store no system call sees: noted (fileio)
+                    fileio.note_rows(self.fd, ids.numpy(), rb, home.index_select(0, ids).numpy())
                 home.index_copy_(0, ids, raw)
             return ids.numel() * rb
         breaks = (torch.nonzero(is_break).flatten() + 1).tolist()  # (a list only for the few long runs)
@@ -265,6 +280,8 @@ class FileRegion(Region):
         n = 0
         with self.home() as home:
             for ids, raw in parts:
+                if fileio.needs_notes(self.fd):  # a store no system call sees: noted (fileio)
+                    fileio.note_rows(self.fd, ids.numpy(), self.row_bytes, home.index_select(0, ids).numpy())
                 home.index_copy_(0, ids, raw)
                 n += ids.numel() * self.row_bytes
         return n
@@ -282,7 +299,7 @@ class FileRegion(Region):
         # for a `kaggle` compaction (1.8 GB of dirty pages), against a fraction without it.
         self.unmap_home()
         try:
-            os.fdatasync(self.fd)
+            fileio.fdatasync(self.fd)
         except OSError as exc:
             raise_if_full(exc, f"syncing {self.path}")
         if drop_cache:
@@ -305,7 +322,7 @@ class FileRegion(Region):
         self.tensor = torch.empty(0)
         self.unmap_home()
         try:
-            os.close(self.fd)
+            fileio.close(self.fd)
         except OSError:
             pass
 
