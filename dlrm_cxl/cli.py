@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-rows", type=int)
     c.add_argument("--chunk-rows", type=int, default=65536)
     c.add_argument("--skip-bad-lines", action="store_true")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace OUTPUT if it holds a dataset an earlier `data convert` wrote (anything "
+                        "else at OUTPUT is never touched)")
     return p
 
 
@@ -594,7 +597,7 @@ def _cmd_data(args) -> int:
 
     cfg = model_config_from_args(args)
     stats = convert_tsv_to_zarr(args.input, args.output, data_spec(cfg), chunk_rows=args.chunk_rows,
-                                skip_bad_lines=args.skip_bad_lines)
+                                skip_bad_lines=args.skip_bad_lines, overwrite=args.overwrite)
     print(json.dumps(stats, default=str))
     return 0
 
