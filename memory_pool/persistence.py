@@ -49,7 +49,14 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"  # changes at every boot
 
 def persist_rows(journal: Journal | None, pairs) -> int:
     """Make rows ``[(table, ids)]`` (trusted ids) durable: on ``journal`` when the tier is
-    journaled (ROWS + one group commit), else by the region's own flush. Returns row bytes."""
+    journaled (ROWS + one group commit), else by the region's own flush. Returns row bytes.
+
+    The rows stay dirty until their transaction is durable (the END synced): a persist that
+    fails half way (a full disk, EIO) leaves every one of them dirty, so that the next persist
+    writes them again -- clearing them first made a retry persist nothing, and the rows were
+    lost at the next open. (Records of a failed attempt that did reach the journal carry no END
+    of their own: the retry's END commits them with their newer copies, or an open drops them
+    as an unfinished tail.)"""
     pairs = [(t, ids) for t, ids in pairs if ids.numel()]
     if journal is None:
         return sum(t._region.flush_rows(ids) for t, ids in pairs)
@@ -59,9 +66,10 @@ def persist_rows(journal: Journal | None, pairs) -> int:
     for t, ids in pairs:
         rows = t._region.tensor.index_select(0, ids)
         journal.append(RecordType.ROWS, -1, encode_rows(t.name, ids, rows))
-        t._region.clear_dirty(ids)
         n += ids.numel() * t.config.row_bytes
     journal.end(-1, {"kind": "persist"})
+    for t, ids in pairs:
+        t._region.clear_dirty(ids)  # (durable now)
     return n
 
 

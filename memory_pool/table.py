@@ -166,7 +166,8 @@ class Table:
         self._region.mark_dirty(ids)
 
     def take_dirty(self) -> torch.Tensor:
-        """Rows written since the last persist (sorted), forgotten by the table."""
+        """Rows written since the last persist (sorted), forgotten by the table: the caller now
+        owns making them durable, and must :meth:`mark_dirty` them again if that fails."""
         return self._region.take_dirty()
 
     @property
@@ -212,7 +213,8 @@ class Table:
         """Make rows ``ids`` (default: every row written since the last persist) durable."""
         self.pool._check_writable()
         t0 = time.perf_counter()
-        ids = self._region.take_dirty() if ids is None else torch.unique(validate_ids(ids, self.config))
+        # (dirty until the transaction is durable: a failed persist leaves them to its retry)
+        ids = self._region.dirty_rows() if ids is None else torch.unique(validate_ids(ids, self.config))
         n = self.pool.persist_rows([(self, ids)])
         st = self.pool.stats
         st.persist_calls += 1
@@ -246,25 +248,28 @@ class Table:
 
     def _load_chunks(self, chunks, chunk_rows: int) -> None:
         region = self._region
-        self.pool._forget_pending(self.name)  # (every row is replaced: no journal value may land later)
-        t = region.tensor
-        for a, vals in chunks:
-            b = min(a + chunk_rows, self.num_embeddings)
-            if vals is None:
-                vals = torch.zeros(b - a, self.embedding_dim)
-            vals = vals.to(t.dtype).contiguous()
+        # Every row is replaced: no journal (or run) value may land later, and no compaction or
+        # write-back pass writes the table's older rows into the image until the reset is
+        # committed (MemoryPool._bulk_load forgets its pending rows, and holds them off).
+        with self.pool._bulk_load(self.name):
+            t = region.tensor
+            for a, vals in chunks:
+                b = min(a + chunk_rows, self.num_embeddings)
+                if vals is None:
+                    vals = torch.zeros(b - a, self.embedding_dim)
+                vals = vals.to(t.dtype).contiguous()
+                if region.journaled:
+                    region.write_back(torch.arange(a, b), vals.view(torch.uint8).view(b - a, -1))
+                else:
+                    t[a:b] = vals
             if region.journaled:
-                region.write_back(torch.arange(a, b), vals.view(torch.uint8).view(b - a, -1))
-            else:
-                t[a:b] = vals
-        if region.journaled:
-            # The image holds the new rows durably; map it afresh so this process sees them
-            # (and drops any copy-on-write pages of the old ones).
-            region.sync(drop_cache=True)
-            self.pool._remap(self)
-            region.take_dirty()
-            self.pool._note_reset(self.name)
-        elif self.pool.tier == "pmem":
-            region.flush_rows(torch.arange(self.num_embeddings))
+                # The image holds the new rows durably; map it afresh so this process sees them
+                # (and drops any copy-on-write pages of the old ones).
+                region.sync(drop_cache=True)
+                self.pool._remap(self)
+                region.take_dirty()
+                self.pool._note_reset(self.name)
+            elif self.pool.tier == "pmem":
+                region.flush_rows(torch.arange(self.num_embeddings))
         if self._cache is not None:
             self._cache = RowCache(region.tensor, self._cache.capacity)
