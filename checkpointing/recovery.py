@@ -191,7 +191,11 @@ def _plan(pool: MemoryPool, target: int | None):
     later = [t for t in j.txns if t.end.seq > txn.end.seq]
     refs = [r for t in later for r in t.records] + list(j.tail)
     undo = [r for r in refs if r.type == RecordType.UNDO]
-    steps = sorted({r.tag for r in refs if r.tag > txn.tag} | {t.tag for t in later if is_commit(t)}, reverse=True)
+    # (direct tiers: with the records past a torn spot before a step's logged mark, which are
+    # dropped with it: that step is rolled back too, its rows never having changed)
+    dropped = [] if pool.journaled else j.tail_beyond
+    steps = sorted({r.tag for r in refs + dropped if r.tag > txn.tag} | {t.tag for t in later if is_commit(t)},
+                   reverse=True)
     undo_plan = []
     for ref in reversed(undo):  # newest first
         try:

@@ -8,11 +8,21 @@ checksum pass each)::
     "RSET", u32 n tables, u32 row bytes, u32 ids offset, u64 n rows   (24 bytes)
     n tables x (u16 name length, u64 rows of this table)
     the names (utf-8, concatenated), zero padding up to the ids offset (8-aligned)
+    [UNDO records of a writer that writes logged marks: the undo group, the 16 bytes before
+     the ids: "UGRP", u32 0, u64 sequence number of the step's first UNDO record]
     n rows x i64 ids      (table after table, in the order above)
     n rows x row bytes    (the same order)
 
 Payloads written before row sets existed (one table, no magic: ``u16 name length, u32 row
 bytes, u64 n rows, name, ids, rows``) are still read (:func:`decode_row_set`).
+
+The logged mark (``LOGGED`` records, :mod:`checkpointing.undo`): a step's undo records are
+durable and its rows may change from here on. Payload: ``"LOGD", u32 the step's UNDO records,
+u64 the sequence number of the first`` (16 bytes); they are the records right before the mark.
+
+Both are compatible with readers that predate them: those skip records of a type they do not
+know (every reader picks the types it reads), and find a row set's ids at the offset its header
+gives, whatever lies between the names and the ids (:func:`undo_group_of` reads it).
 
 Every payload (and every record header) is protected by crc32c (:func:`crc32c`, hardware
 accelerated: :func:`crc32c_extend`).
@@ -32,13 +42,18 @@ from crc32c import crc32c as _crc32c
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-__all__ = ["ROW_SET", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows", "crc32c",
-           "crc32c_extend", "part_bytes", "materialize"]
+__all__ = ["ROW_SET", "LOGGED_MARK", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows",
+           "undo_group_of", "encode_logged_mark", "decode_logged_mark", "crc32c", "crc32c_extend", "part_bytes",
+           "materialize"]
 
 ROW_SET = struct.Struct("<4sIIIQ")        # magic, n tables, row bytes, ids offset, n rows
 _TABLE = struct.Struct("<HQ")             # name length, rows
 _LEGACY = struct.Struct("<HIQ")           # name length, row bytes, n rows (one table, no magic)
 _MAGIC = b"RSET"
+_GROUP = struct.Struct("<4sIQ")           # "UGRP", 0 (reserved), first sequence number of the step's UNDO records
+_GROUP_MAGIC = b"UGRP"
+LOGGED_MARK = struct.Struct("<4sIQ")      # "LOGD", the step's UNDO records, sequence number of the first
+_LOGGED_MAGIC = b"LOGD"
 
 
 class Fill(NamedTuple):
@@ -96,10 +111,12 @@ def crc32c_extend(crc: int, buf) -> int:
 
 
 def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tensor | Fill,
-                   row_bytes: int | None = None) -> list:
+                   row_bytes: int | None = None, *, undo_group: int | None = None) -> list:
     """Payload parts of a ROWS/UNDO record: ``tables`` is ``[(name, ids)]``, ``rows`` the rows of
     all of them in that order (``[sum of ids, ...]``, one row size). No copy of ``rows``. Or
-    ``rows`` is a :class:`Fill` that writes them where the record goes (``row_bytes`` each)."""
+    ``rows`` is a :class:`Fill` that writes them where the record goes (``row_bytes`` each).
+    ``undo_group``: the sequence number of the step's first UNDO record (an UNDO record of a
+    writer that writes logged marks; see :func:`undo_group_of`)."""
     names = [n.encode() for n, _ in tables]
     counts = [int(ids.numel()) for _, ids in tables]
     total = sum(counts)
@@ -114,8 +131,10 @@ def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tenso
         row_bytes = data.shape[1] if total else (rows.shape[-1] if rows.dim() > 1 else 1) * rows.element_size()
     fixed = ROW_SET.size + _TABLE.size * len(tables) + sum(len(n) for n in names)
     ids_at = -(-fixed // 8) * 8
-    head = ROW_SET.pack(_MAGIC, len(tables), row_bytes, ids_at, total) + \
-        b"".join(_TABLE.pack(len(n), c) for n, c in zip(names, counts)) + b"".join(names) + bytes(ids_at - fixed)
+    group = b"" if undo_group is None else _GROUP.pack(_GROUP_MAGIC, 0, undo_group)
+    head = ROW_SET.pack(_MAGIC, len(tables), row_bytes, ids_at + len(group), total) + \
+        b"".join(_TABLE.pack(len(n), c) for n, c in zip(names, counts)) + b"".join(names) + \
+        bytes(ids_at - fixed) + group
     if not total:
         return [head]
     ids = tables[0][1] if len(tables) == 1 else torch.cat([i for _, i in tables])
@@ -157,6 +176,42 @@ def decode_row_set(payload) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         out.append((name, ids[at:at + count], data[at:at + count]))
         at += count
     return out
+
+
+def undo_group_of(payload) -> int | None:
+    """The undo group of a row set (the sequence number of its step's first UNDO record), or
+    None: a record without one (a ROWS record, an UNDO record of a writer without logged marks,
+    the earlier one-table layout) or one that does not hold what it says (decode_row_set says
+    what is wrong). Recovery asks it of valid records that follow a bad one: a record of the
+    same step's undo group, written before its mark, vouches for nothing."""
+    mv = memoryview(payload)
+    if len(mv) < ROW_SET.size or bytes(mv[:4]) != _MAGIC:
+        return None
+    _, ntables, _, ids_at, _ = ROW_SET.unpack_from(mv)
+    end = ROW_SET.size + _TABLE.size * ntables
+    if end > ids_at or ids_at > len(mv):
+        return None
+    end += sum(_TABLE.unpack_from(mv, ROW_SET.size + _TABLE.size * i)[0] for i in range(ntables))
+    if ids_at - end < _GROUP.size:
+        return None
+    magic, _, group = _GROUP.unpack_from(mv, ids_at - _GROUP.size)
+    return group if magic == _GROUP_MAGIC else None
+
+
+def encode_logged_mark(first_seq: int, count: int) -> list:
+    """Payload of a LOGGED record: the step's ``count`` UNDO records, from sequence number
+    ``first_seq`` on, are durable (they are the records right before the mark)."""
+    return [LOGGED_MARK.pack(_LOGGED_MAGIC, count, first_seq)]
+
+
+def decode_logged_mark(payload) -> tuple[int, int]:
+    """(sequence number of the first UNDO record, number of them) of a LOGGED payload; raises
+    ``ValueError`` when it is not one."""
+    mv = memoryview(payload)
+    if len(mv) != LOGGED_MARK.size or bytes(mv[:4]) != _LOGGED_MAGIC:
+        raise ValueError(f"a logged mark of {len(mv)} bytes is not one")
+    _, count, first = LOGGED_MARK.unpack_from(mv)
+    return first, count
 
 
 def decode_rows(payload) -> tuple[str, torch.Tensor, torch.Tensor]:
