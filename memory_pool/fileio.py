@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["open", "pwrite", "ftruncate", "fallocate", "fdatasync", "fsync", "fsync_dir", "rename", "unlink",
-           "note_rows", "note_range", "watch", "unwatch", "watching", "power_on", "pending", "LOG_DIR",
+           "note_rows", "note_range", "watch", "unwatch", "watching", "power_on", "pending", "unsynced_count", "LOG_DIR",
            "ENV", "Lose", "PowerOnReport"]
 
 LOG_DIR = ".power-loss"
@@ -463,6 +463,13 @@ def _unsynced(entries: list[tuple[dict, bytes]]) -> list[tuple[dict, bytes]]:
                         a[2] = doc["dst"]
             alive.append([doc, blob, path, True, dirs])
     return [(a[0], a[1]) for a in alive if a[3]]
+
+
+def unsynced_count(root) -> int:
+    """How many operations under ``root`` a power loss now would take back (the crash-state
+    checker spreads its prefixes over them)."""
+    d = Path(root) / LOG_DIR
+    return sum(len(_unsynced(_read_log(p))) for p in sorted(d.glob("undo-*.log"))) if d.is_dir() else 0
 
 
 def power_on(root, lose: Lose | None = None) -> PowerOnReport:
