@@ -138,7 +138,9 @@ def checkpoint_status(pool: MemoryPool) -> dict:
     j = pool.journal
     commits = _commits(pool)
     c = commits[-1].tag if commits else None
-    tail_steps = sorted({r.tag for r in j.tail if r.tag >= 0}) if j is not None else []
+    # (direct tiers: with the records past a bad one, whose step recovery rolls back too)
+    tail_steps = sorted({r.tag for r in j.tail + ([] if pool.journaled else j.tail_beyond) if r.tag >= 0}) \
+        if j is not None else []
     damage = tail_damage(j) if j is not None and not pool.journaled else None
     damaged = [damage] if damage else []
     marker = (ckpt_dir(pool.storage_dir) / RUNNING_MARKER).exists()

@@ -38,7 +38,9 @@ What it costs a step:
   as it gets (outside the process: it survives the process's crash, which is all this tier
   survives) and a crash keeps the stores made before it, in program order. The mark is the last
   record of the records' own write, its header the last store: a valid mark implies every byte
-  before it. 56 bytes and a 16-byte checksum, no system call.
+  before it. It costs 56 bytes (a 40-byte header and a 16-byte payload) and each ``UNDO``
+  record 16 more (its undo group), no system call: 3-4 us a step here (appending `tiny`'s two
+  records took 21 us without it, 25 with it; `small`'s, ~860 us either way).
 * real pmem (a journal written with ``O_DIRECT`` and ``fdatasync``): a write may reach the
   device in any order of its blocks before the sync returns, so a mark written with the records
   could survive a power loss that tore them, and a step that never changed a row would be

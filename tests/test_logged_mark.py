@@ -190,6 +190,8 @@ def test_damage_before_the_logged_mark_is_a_torn_tail_and_recovers_bit_exact(cli
     elif how == "last-undo-flipped":
         flip(undo[-1].segment, undo[-1].payload_offset + undo[-1].length // 2)
 
+    status = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
+    assert status["damaged"] == [] and status["steps_to_roll_back"] == [K], status
     rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
     assert rep["committed_step"] == K - 1 and rep["rolled_back_steps"] == [K], rep
     assert rep["state_digest"] == ref[K - 1], rep
