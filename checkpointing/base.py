@@ -97,6 +97,13 @@ class Checkpointer(abc.ABC):
     @abc.abstractmethod
     def commit(self, step: int, *, final: bool = False) -> None: ...
 
+    @abc.abstractmethod
+    def checkpoint_now(self, step: int) -> None:
+        """Make the current state recovery point ``step`` now, outside the step protocol (no
+        step in progress), and return once it is one: the trainer calls it for step 0 of a new
+        pool (its initial state) before any ``begin_step``, ``dlrm-cxl import`` for the imported
+        model. What a recovery point is (how durable) is the implementation's."""
+
     @property
     def needs_touched(self) -> bool:
         """Whether ``log_before_image`` needs the exact rows a step touches (else the trainer

@@ -242,6 +242,13 @@ class BytesFloorCheckpointer(Checkpointer):
         self.stats.steps += 1
         if self.pool.journaled and self._cur is not None:
             self.stats.table_bytes_persisted += self._copy_rows()   # after-images: after it
+        self.checkpoint_now(step)
+        self.stats.critical_seconds += time.perf_counter() - t0
+        self._cur = None
+
+    def checkpoint_now(self, step: int) -> None:
+        """Recovery point ``step``: its dense state copied and checksummed (the rows are copied
+        by the steps that change them; see ``log_before_image`` and ``commit``)."""
         tensors = [t.detach().reshape(-1).view(torch.uint8) for t in _tensors(self.dense_state(step))]
         n = sum(t.numel() for t in tensors)
         if self._dense.numel() < n:
@@ -251,8 +258,6 @@ class BytesFloorCheckpointer(Checkpointer):
         self.stats.dense_bytes += n
         self.stats.checkpoints += 1
         self.stats.last_commit_step = step
-        self.stats.critical_seconds += time.perf_counter() - t0
-        self._cur = None
 
     def _copy_rows(self) -> int:
         n = 0

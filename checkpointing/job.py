@@ -22,7 +22,7 @@ from memory_pool.durable import atomic_write, json_crc, json_with_crc, parse_jso
 from memory_pool.errors import PoolCorruptError, RecoveryError
 
 from .digest import combine_digests
-from .jobdir import JOB_FILE, RANK_PREFIX, is_job
+from .jobdir import JOB_FILE, is_job, numbered_rank_dirs, rank_number
 from .recovery import RecoveryReport, checkpoint_status, recover
 
 __all__ = ["JOB_FILE", "is_job", "rank_dirs", "recover_path", "recover_job", "JobRecoveryReport",
@@ -61,10 +61,10 @@ def read_job_file(path) -> dict:
 
 
 def rank_dirs(path) -> list[Path]:
-    n = len(RANK_PREFIX)
-    dirs = [p for p in Path(path).glob(f"{RANK_PREFIX}*") if p.name[n:].isdigit()]
-    dirs.sort(key=lambda p: int(p.name[n:]))
-    if [int(p.name[n:]) for p in dirs] != list(range(len(dirs))) or not dirs:
+    """The rank pools of the job at ``path``, in rank order; ``PoolFormatError`` unless they are
+    exactly ``rank-0`` .. ``rank-N``."""
+    dirs = numbered_rank_dirs(path)
+    if [rank_number(p) for p in dirs] != list(range(len(dirs))) or not dirs:
         raise PoolFormatError(f"{path}: rank pools {[p.name for p in dirs]} are not rank-0..rank-N")
     return dirs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["JOB_FILE", "RANK_PREFIX", "is_job", "job_of_rank"]
+__all__ = ["JOB_FILE", "RANK_PREFIX", "is_job", "job_of_rank", "rank_dir", "rank_number", "numbered_rank_dirs"]
 
 JOB_FILE = "job.json"
 RANK_PREFIX = "rank-"
@@ -19,6 +19,25 @@ RANK_PREFIX = "rank-"
 def is_job(path) -> bool:
     """Whether ``path`` is the directory of a job of several ranks."""
     return (Path(path) / JOB_FILE).exists()
+
+
+def rank_dir(path, rank: int) -> Path:
+    """``DIR/rank-R``: the pool directory of rank ``rank`` of the job at ``path``."""
+    return Path(path) / f"{RANK_PREFIX}{rank}"
+
+
+def rank_number(path) -> int | None:
+    """R for a path named ``rank-R`` (R decimal digits), else None."""
+    tail = Path(path).name[len(RANK_PREFIX):]
+    return int(tail) if Path(path).name.startswith(RANK_PREFIX) and tail.isdigit() else None
+
+
+def numbered_rank_dirs(path) -> list[Path]:
+    """Every ``DIR/rank-R`` entry of ``path`` (R decimal digits), in rank order. Gaps in the
+    numbers, and entries that are not directories, are left for the caller to judge."""
+    dirs = [p for p in Path(path).glob(f"{RANK_PREFIX}*") if rank_number(p) is not None]
+    dirs.sort(key=rank_number)
+    return dirs
 
 
 def job_of_rank(path) -> Path | None:

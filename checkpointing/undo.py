@@ -139,8 +139,7 @@ class UndoLogCheckpointer(Checkpointer):
     name = "undo"
 
     def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, dense_every: int = 1,
-                 crash: CrashPlan | None = None, coordinator=None, max_pending_slots: int | None = None,
-                 inline: bool = False):
+                 crash: CrashPlan | None = None, coordinator=None, inline: bool = False):
         """``coordinator`` (several ranks): has ``global_min(int) -> int`` over all ranks. With
         one, recovery points follow a fixed schedule (every ``dense_every`` steps) so every rank
         has one at the same steps, and journal records are kept back to the newest step that

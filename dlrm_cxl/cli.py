@@ -203,11 +203,13 @@ def _print_json(obj) -> None:
 
 def _cmd_train(args) -> int:
     from checkpointing import parse_crash_at
+    from checkpointing.jobdir import rank_dir
     from memory_pool.validation import validate_journal_env
 
-    from .distributed import init_distributed, is_distributed_env, job_file, rank_dir
+    from .distributed import init_distributed, is_distributed_env, job_file
     from .model_io import stored_config
-    from .trainer import Trainer, TrainOptions
+    from .options import TrainOptions
+    from .trainer import Trainer
 
     validate_journal_env()  # before a pool (and its tables) is made for nothing
     distributed = is_distributed_env()
@@ -479,32 +481,27 @@ def _rank_pools(job: Path) -> list[Path]:
     """The rank pools of a job directory, refusing (before anything is deleted) a rank directory
     that is not a pool or whose pool a writer holds. Lenient about gaps in the rank numbers, so
     that a job whose destroy was interrupted can still be destroyed."""
-    import fcntl
     import os
 
+    from checkpointing.jobdir import numbered_rank_dirs
     from memory_pool.pool import HEADER
+    from memory_pool.writer_lock import LOCK_FILE, lock_holder, try_lock
 
     from .errors import PoolFormatError, PoolLockedError
 
-    ranks = sorted((p for p in job.glob("rank-*") if p.name[5:].isdigit() and p.is_dir()),
-                   key=lambda p: int(p.name[5:]))
+    ranks = [p for p in numbered_rank_dirs(job) if p.is_dir()]
     for p in ranks:
         if not (p / HEADER).exists() and any(p.iterdir()):
             raise PoolFormatError(f"{p} is not a pool (no {HEADER}); refusing to delete job {job}",
                                   hint="check --pool; only pool directories are deleted")
     for p in ranks:  # every lock before any deletion: a locked rank must not leave half a job
         try:
-            fd = os.open(p / "LOCK", os.O_RDONLY)
+            fd = os.open(p / LOCK_FILE, os.O_RDONLY)
         except FileNotFoundError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = (p / "LOCK").read_text().strip()
-            except OSError:
-                holder = ""
-            raise PoolLockedError(f"{p} is locked by another writer (pid {holder or '?'})") from None
+            if not try_lock(fd):
+                raise PoolLockedError(f"{p} is locked by another writer (pid {lock_holder(p) or '?'})")
         finally:
             os.close(fd)
     return ranks
@@ -515,7 +512,7 @@ def _cmd_destroy(args) -> int:
 
     from checkpointing.job import is_job
     from memory_pool import destroy_pool, read_header
-    from memory_pool.lifecycle import REGION_PREFIX, gc, region_bytes
+    from memory_pool.lifecycle import gc, owns_region, region_bytes
     from memory_pool.pool import HEADER
 
     from .errors import PoolFormatError
@@ -538,7 +535,7 @@ def _cmd_destroy(args) -> int:
         except PoolFormatError:  # damaged: destroy_pool still deletes it; gc below finds its region
             continue
         storage = Path(header.get("storage_dir", p))
-        if header.get("tier") == "shm" and storage.name == f"{REGION_PREFIX}{header.get('pool_id')}":
+        if owns_region(header, storage):
             regions[str(storage)] = region_bytes(storage)
     for p in pools:
         destroy_pool(p)  # takes the writer lock (exit 5 when a writer holds it)

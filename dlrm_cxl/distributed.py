@@ -37,11 +37,12 @@ import torch.distributed as dist
 
 from checkpointing.digest import combine_digests
 from checkpointing.job import JOB_FILE, read_job_file, write_job_file
+from checkpointing.jobdir import RANK_PREFIX, rank_dir
 from memory_pool import destroy_pool
 
 from .errors import ConfigMismatchError, PoolFormatError
 
-__all__ = ["DistContext", "init_distributed", "is_distributed_env", "job_file", "rank_dir", "combine_digests",
+__all__ = ["DistContext", "init_distributed", "is_distributed_env", "job_file", "combine_digests",
            "owned_features"]
 
 def is_distributed_env() -> bool:
@@ -50,10 +51,6 @@ def is_distributed_env() -> bool:
 
 def job_file(path) -> Path:
     return Path(path) / JOB_FILE
-
-
-def rank_dir(path, rank: int) -> Path:
-    return Path(path) / f"rank-{rank}"
 
 
 def owned_features(num_features: int, rank: int, world: int) -> list[int]:
@@ -204,7 +201,7 @@ def prepare_job_dir(path, ctx: DistContext, *, fresh: bool, job: dict, log) -> b
     every rank (:func:`checkpointing.job.read_job_file`). Every rank calls this (it runs collectives)."""
     path = Path(path)
     if fresh and ctx.rank == 0 and path.exists():
-        for d in sorted(path.glob("rank-*")):
+        for d in sorted(path.glob(f"{RANK_PREFIX}*")):
             destroy_pool(d)
         try:
             job_file(path).unlink()

@@ -51,6 +51,7 @@ from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 
 from memory_pool import InvalidIdsError
+from memory_pool.validation import is_int
 
 __all__ = ["FusedTableSpec", "FusedEmbeddingBags"]
 
@@ -69,10 +70,6 @@ class FusedTableSpec:
     dim: int
     weight_offset: int
     state_offset: int | None = None
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_flat(name: str, t, spans: list[tuple[int, int, int]], what: str) -> None:
@@ -119,13 +116,13 @@ def validate_fused_args(specs: Sequence[FusedTableSpec], weights, optimizer: str
             raise ValueError(f"table {t}: expected a FusedTableSpec, got {s!r}")
         for field_name in ("rows", "dim", "weight_offset"):
             v = getattr(s, field_name)
-            if not _is_int(v) or v < (0 if field_name == "weight_offset" else 1):
+            if not is_int(v) or v < (0 if field_name == "weight_offset" else 1):
                 bound = ">= 0" if field_name == "weight_offset" else ">= 1"
                 raise ValueError(f"table {t}: {field_name} must be an int {bound}, got {v!r}")
         if s.rows > _MAX_ROWS:
             raise ValueError(f"table {t}: rows must be <= {_MAX_ROWS} (fbgemm's CPU backward indexes rows "
                              f"with int32), got {s.rows}")
-        if adagrad and (not _is_int(s.state_offset) or s.state_offset < 0):
+        if adagrad and (not is_int(s.state_offset) or s.state_offset < 0):
             raise ValueError(f"table {t}: rowwise_adagrad needs state_offset, an int >= 0, "
                              f"got {s.state_offset!r}")
         if not adagrad and s.state_offset is not None:

@@ -351,9 +351,6 @@ class PoolDLRM(nn.Module):
         return self.over_arch(concat).squeeze(-1)
 
     # -- TorchRec interop
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items()}
-
     def export_torchrec(self) -> dict[str, torch.Tensor]:
         """State dict of an equivalent ``torchrec.models.dlrm.DLRM`` (see :func:`torchrec_dlrm`)."""
         return to_torchrec_state_dict(self)

@@ -12,8 +12,6 @@ import torch
 from .data import DataSpec
 
 if TYPE_CHECKING:
-    from memory_pool import MemoryPool
-
     from .model import ModelConfig
 
 __all__ = ["TrainOptions", "validate_options", "TrainSummary", "default_dense_every", "data_spec", "WRITERS",
@@ -32,7 +30,7 @@ class TrainOptions:
     eval_batches: int = 4
     eval_data: str | None = None
     checkpoint: str = "undo"           # undo | none
-    dense_every: int | None = None     # None: by tier, see default_dense_every
+    dense_every: int | None = None     # None: see default_dense_every
     crash_at: tuple[int, str] | None = None
     crash_rank: int = 0                # several ranks: which rank --crash-at kills
     threads: int | None = None
@@ -90,7 +88,7 @@ class TrainSummary:
         return asdict(self)
 
 
-def default_dense_every(pool: MemoryPool) -> int:
+def default_dense_every() -> int:
     """Steps between recovery points when --dense-every is not given: every step, on every tier.
 
     Persisting costs what its bytes cost (the journal is byte-granular with group commit, and

@@ -24,16 +24,12 @@ from memory_pool import PoolFormatError
 
 from .data import Prefetcher, make_data_source
 from .errors import TrainingDivergedError
-from .evaluation import EVAL_SEED_OFFSET, HeldOutSynthetic, eval_source, evaluate
+from .evaluation import eval_source, evaluate
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, default_dense_every, resolve_writer, validate_options
-from .provisioning import build_dense_optimizer, capture_dense_state, create_model_tables, open_training_pool
+from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
 
-# The names below moved to options.py, provisioning.py and evaluation.py; they stay importable
-# from here (tools and tests import them from dlrm_cxl.trainer).
-__all__ = ["TrainOptions", "Trainer", "TrainSummary", "evaluate", "open_training_pool", "data_spec",
-           "build_dense_optimizer", "EVAL_SEED_OFFSET", "HeldOutSynthetic", "capture_dense_state",
-           "create_model_tables", "default_dense_every"]
+__all__ = ["Trainer", "io_write_bytes"]
 
 
 class Trainer:
@@ -62,7 +58,9 @@ class Trainer:
             raise
 
     def _open_rank_pool(self, model_cfg):
-        from .distributed import prepare_job_dir, rank_dir
+        from checkpointing.jobdir import rank_dir
+
+        from .distributed import prepare_job_dir
 
         d, o = self.dist, self.o
         job = {"seed": o.seed, "data": o.data, "model": model_cfg.to_dict() if model_cfg else None}
@@ -101,7 +99,7 @@ class Trainer:
                                      ranks=1 if self.dist is None else self.dist.world)
         if o.checkpoint == "undo":
             extra["inline"] = self.writer == "inline"
-        self.dense_every = o.dense_every or default_dense_every(self.pool)
+        self.dense_every = o.dense_every or default_dense_every()
         self.ckpt = ckpt_cls(self.pool, self.live_dense_state, dense_every=self.dense_every, crash=self.crash,
                              **extra)
         if created:

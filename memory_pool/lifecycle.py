@@ -22,7 +22,6 @@ Only ``orphan`` regions are ever removed. The owner is recorded by path: a pool 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -31,17 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .durable import atomic_write, json_crc
+from .header import HEADER
 from .persistence import stale_marks
 from .tiers import shm_root
+from .writer_lock import LOCK_FILE, try_lock
 
-__all__ = ["RegionInfo", "record_owner", "find_regions", "gc", "region_bytes", "OWNER_FILE", "REGION_PREFIX"]
+__all__ = ["RegionInfo", "record_owner", "find_regions", "gc", "region_bytes", "owns_region", "OWNER_FILE",
+           "REGION_PREFIX"]
 
 OWNER_FILE = "OWNER"
 REGION_PREFIX = "dlrm-cxl-"
-# On-disk names of a pool directory (memory_pool/pool.py: HEADER and the writer lock); not
-# imported from there because pool.py imports this module.
-_HEADER = "pool.json"
-_LOCK = "LOCK"
 
 IN_USE, LOCKED, ORPHAN, UNKNOWN = "in-use", "locked", "orphan", "unknown"
 
@@ -61,6 +59,14 @@ class RegionInfo:
         return {"path": str(self.path), "pool_id": self.pool_id,
                 "owner": None if self.owner is None else str(self.owner),
                 "size_bytes": self.size_bytes, "status": self.status, "reason": self.reason}
+
+
+def owns_region(header: dict, storage: Path) -> bool:
+    """Whether the pool of ``header`` owns the shm region ``storage`` (its ``storage_dir``): only
+    an shm pool has files outside its directory, in its own region named after its id. The
+    storage_dir of other tiers is where the pool was created, which for a copied or moved pool
+    is another pool's directory."""
+    return header.get("tier") == "shm" and storage.name == f"{REGION_PREFIX}{header.get('pool_id')}"
 
 
 def _crc(body: dict) -> int:
@@ -107,20 +113,17 @@ def _lock_held(pool_dir: Path) -> bool | None:
     """True when a writer holds ``pool_dir/LOCK``, False when not (or there is no LOCK file),
     None when it cannot be tried. Probes with a non-blocking flock that is released at once."""
     try:
-        fd = os.open(pool_dir / _LOCK, os.O_RDONLY)  # flock needs no write access; never creates
+        fd = os.open(pool_dir / LOCK_FILE, os.O_RDONLY)  # flock needs no write access; never creates
     except (FileNotFoundError, NotADirectoryError):
         return False
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        return not try_lock(fd)
     except OSError:
         return None
     finally:
         os.close(fd)  # also releases the probe's lock
-    return False
 
 
 def _classify(region: Path, owner: tuple[Path, str] | None, *, probe_lock: bool = True) -> tuple[str, str]:
@@ -142,19 +145,19 @@ def _classify(region: Path, owner: tuple[Path, str] | None, *, probe_lock: bool 
     if probe_lock:
         held = _lock_held(pool_dir)
         if held is None:
-            return UNKNOWN, f"cannot try the lock {pool_dir / _LOCK}"
+            return UNKNOWN, f"cannot try the lock {pool_dir / LOCK_FILE}"
         if held:
-            return LOCKED, f"a writer holds {pool_dir / _LOCK}"
+            return LOCKED, f"a writer holds {pool_dir / LOCK_FILE}"
     try:
-        raw = (pool_dir / _HEADER).read_bytes()
+        raw = (pool_dir / HEADER).read_bytes()
     except (FileNotFoundError, NotADirectoryError):
-        return ORPHAN, f"{pool_dir} holds no {_HEADER}"
+        return ORPHAN, f"{pool_dir} holds no {HEADER}"
     except OSError as exc:
-        return UNKNOWN, f"cannot read {pool_dir / _HEADER}: {exc.strerror}"
+        return UNKNOWN, f"cannot read {pool_dir / HEADER}: {exc.strerror}"
     try:
         named = json.loads(raw)["pool_id"]
     except (ValueError, TypeError, KeyError, IndexError):
-        return UNKNOWN, f"{pool_dir / _HEADER} is damaged"
+        return UNKNOWN, f"{pool_dir / HEADER} is damaged"
     if named == pool_id:
         return IN_USE, f"pool {pool_dir}"
     return ORPHAN, f"{pool_dir} now holds another pool ({named})"
@@ -191,7 +194,7 @@ def _remove_orphan(info: RegionInfo) -> bool:
     fd = None
     if info.owner is not None:
         try:
-            fd = os.open(info.owner / _LOCK, os.O_RDONLY)
+            fd = os.open(info.owner / LOCK_FILE, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             fd = None
         except OSError:
@@ -199,8 +202,10 @@ def _remove_orphan(info: RegionInfo) -> bool:
     try:
         if fd is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                taken = try_lock(fd)
             except OSError:
+                taken = False
+            if not taken:
                 return False  # a writer took it since: no longer an orphan
         status, _ = _classify(info.path, _read_owner(info.path), probe_lock=False)
         if status != ORPHAN:

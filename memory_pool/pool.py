@@ -21,7 +21,6 @@ privately, so they never change them.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -55,8 +54,9 @@ from .errors import (
     TableExistsError,
     TableNotFoundError,
 )
-from .lifecycle import record_owner
+from .lifecycle import REGION_PREFIX, owns_region, record_owner
 from .threads import one_intra_op_thread
+from .writer_lock import take_lock
 from .arena import Arena, page_round
 from .journal import Journal, RecordType
 from .ondemand import PendingRows
@@ -647,7 +647,7 @@ class MemoryPool:
         path.mkdir(parents=True, exist_ok=True)
         lock_fd = cls._lock(path)
         pool_id = uuid.uuid4().hex
-        storage = (shm_root() / f"dlrm-cxl-{pool_id}") if tier == "shm" else path
+        storage = (shm_root() / f"{REGION_PREFIX}{pool_id}") if tier == "shm" else path
         try:
             if (path / HEADER).exists():  # a concurrent create won the race
                 raise PoolExistsError(f"{path} already holds a pool")
@@ -758,34 +758,9 @@ class MemoryPool:
 
     @staticmethod
     def _lock(path: Path, *, shared: bool = False) -> int | None:
-        """The writer lock (exclusive), or a reader's shared lock. Both non-blocking."""
-        if shared:
-            try:
-                fd = os.open(path / "LOCK", os.O_RDONLY | os.O_CREAT, 0o644)
-            except OSError:
-                return None  # a directory no one can write to has no writer either
-        else:
-            fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            # flock belongs to the open file description: the kernel drops it when the holder
-            # dies, even by SIGKILL, so a crashed writer never leaves a stale lock behind.
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            try:
-                holder = (path / "LOCK").read_text().strip()
-            except OSError:
-                holder = "?"
-            if shared:
-                raise PoolLockedError(
-                    f"{path} is being trained (writer pid {holder or '?'}): a reader beside it could see a step "
-                    f"half applied", hint="wait until training stops (or use `inspect --no-digest`)") from None
-            raise PoolLockedError(f"{path} is locked by another writer (pid {holder or '?'}) or held by a "
-                                  f"reader (inspect, eval, export)") from None
-        if not shared:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
+        """The writer lock (exclusive), or a reader's shared lock. Both non-blocking
+        (memory_pool/writer_lock.py)."""
+        return take_lock(path, shared=shared)
 
     def _replay(self, plan: dict[str, list]) -> None:
         """Write the journal's committed rows into the working copy (``replay_plan``'s plan).
@@ -1105,7 +1080,7 @@ def destroy_pool(path) -> None:
             # its id; the storage_dir of other tiers is where the pool was created, which for a
             # copied or moved pool is another pool's directory and must not be touched.
             storage = Path(header.get("storage_dir", path))
-            if header.get("tier") == "shm" and storage.name == f"dlrm-cxl-{header.get('pool_id')}":
+            if owns_region(header, storage):
                 shutil.rmtree(storage, ignore_errors=True)
             if header.get("pool_id"):
                 AppliedMark(header["pool_id"], list).remove()

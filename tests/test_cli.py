@@ -286,7 +286,7 @@ def test_locked_pool_is_exit_5(trained):
 def test_export_loads_into_torchrec_dlrm_and_import_recreates_the_tables(trained, tmp_path):
     from dlrm_cxl.data import SyntheticData
     from dlrm_cxl.model import PRESETS, PoolDLRM, torchrec_dlrm
-    from dlrm_cxl.trainer import data_spec
+    from dlrm_cxl.options import data_spec
 
     pool, *_ = trained
     out = tmp_path / "dlrm.pt"

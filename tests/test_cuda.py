@@ -23,7 +23,7 @@ def _train(pool, *extra):
 def test_cuda_training_matches_cpu_forward_and_learns(tmp_path):
     from dlrm_cxl.data import SyntheticData
     from dlrm_cxl.model import PRESETS, PoolDLRM
-    from dlrm_cxl.trainer import data_spec
+    from dlrm_cxl.options import data_spec
     from memory_pool import MemoryPool
 
     cfg = PRESETS["tiny"]

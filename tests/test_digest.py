@@ -1,10 +1,10 @@
 """``state_digest``, the oracle behind every "bit-exact resume" claim, is itself tested: a change
 to any single part of the training state changes the digest, and an unchanged copy does not.
 
-The state is real: a pool made by :func:`dlrm_cxl.trainer.create_model_tables` for the ``tiny``
-preset (embedding tables and their ``<table>.adagrad`` tables), a :class:`PoolDLRM` whose
-``torch.optim.Adagrad`` has taken one step, and the dense snapshot of
-:func:`dlrm_cxl.trainer.capture_dense_state` (model, optimizer, data position, RNG states).
+The state is real: a pool made by :func:`dlrm_cxl.provisioning.create_model_tables` for the
+``tiny`` preset (embedding tables and their ``<table>.adagrad`` tables), a :class:`PoolDLRM`
+whose ``torch.optim.Adagrad`` has taken one step, and the dense snapshot of
+:func:`dlrm_cxl.provisioning.capture_dense_state` (model, optimizer, data position, RNG states).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _next_up(t: torch.Tensor, index: int = 0) -> None:
 
 def _build(path):
     from dlrm_cxl.model import PRESETS, PoolDLRM, state_table_name
-    from dlrm_cxl.trainer import capture_dense_state, create_model_tables
+    from dlrm_cxl.provisioning import capture_dense_state, create_model_tables
 
     cfg = PRESETS["tiny"]
     assert cfg.embedding_optimizer.kind == "rowwise_adagrad"

@@ -299,7 +299,8 @@ def test_training_through_runs_ends_with_the_digest_of_training_without_them_and
     steps through runs (cleaned too: a small bound) ends with the state of one that writes
     everything home, and so does one resumed in the middle (its run rows applied on demand)."""
     from dlrm_cxl.model import PRESETS
-    from dlrm_cxl.trainer import Trainer, TrainOptions
+    from dlrm_cxl.options import TrainOptions
+    from dlrm_cxl.trainer import Trainer
 
     monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", "0.0625")
     monkeypatch.setenv("DLRM_CXL_COMPACT_MB", "0.25")

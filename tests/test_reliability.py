@@ -120,7 +120,8 @@ def test_non_finite_gradient_behind_a_finite_loss_is_refused_before_any_row_is_w
     from checkpointing import checkpoint_status, committed_state, state_digest
     from dlrm_cxl.errors import TrainingDivergedError
     from dlrm_cxl.model import PRESETS
-    from dlrm_cxl.trainer import Trainer, TrainOptions
+    from dlrm_cxl.options import TrainOptions
+    from dlrm_cxl.trainer import Trainer
     from memory_pool import MemoryPool
 
     for tier in ("shm", "power-sim"):

@@ -16,8 +16,10 @@ import torch
 from checkpointing import checkpoint_status, recover
 from dlrm_cxl.data import SyntheticData, convert_tsv_to_zarr
 from dlrm_cxl.errors import ConfigMismatchError, TrainingDivergedError
+from dlrm_cxl.evaluation import evaluate
 from dlrm_cxl.model import PRESETS
-from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec, evaluate
+from dlrm_cxl.options import TrainOptions, data_spec
+from dlrm_cxl.trainer import Trainer
 from memory_pool import MemoryPool, destroy_pool
 
 DATA = Path(__file__).resolve().parent / "data"

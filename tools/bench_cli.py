@@ -48,7 +48,7 @@ def torchrec_worker(preset: str, steps: int, threads: int | None) -> None:
 
     from dlrm_cxl.data import Prefetcher, SyntheticData
     from dlrm_cxl.model import PRESETS
-    from dlrm_cxl.trainer import data_spec
+    from dlrm_cxl.options import data_spec
     from tools.bench_train import TorchRecVariant
 
     warnings.simplefilter("ignore")

@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--tier", default="shm")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     a = p.parse_args(argv)
+    from checkpointing.jobdir import numbered_rank_dirs
     from memory_pool import destroy_pool
     from memory_pool.lifecycle import gc as gc_shm_regions
 
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                 s = run(nproc, pool, a.warmup + a.steps, a, threads)
                 results[nproc].append(s)
                 print(f"round {r + 1}: {nproc} process(es): {s['samples_per_s']:,.0f} samples/s", flush=True)
-                for d in [pool, *sorted(pool.glob("rank-*"))]:
+                for d in [pool, *numbered_rank_dirs(pool)]:
                     if (d / "pool.json").exists():
                         destroy_pool(d)
     finally:

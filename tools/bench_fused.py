@@ -44,9 +44,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E4
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from dlrm_cxl.data import DataSpec, SyntheticData  # noqa: E402
+from dlrm_cxl.data import SyntheticData  # noqa: E402
 from dlrm_cxl.fused import FusedEmbeddingBags, FusedTableSpec  # noqa: E402
 from dlrm_cxl.model import PRESETS  # noqa: E402
+from dlrm_cxl.options import data_spec  # noqa: E402
 
 PAGE = 4096 // 4  # floats per page
 
@@ -115,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(a.threads)
     cfg, specs, ours, tbe, weights, state = build(a.preset, a.optimizer, a.lr, a.eps, a.file, a.seed)
-    # As dlrm_cxl.trainer.data_spec(cfg) builds it (not imported: the trainer pulls in checkpointing).
-    spec = DataSpec(num_dense=cfg.num_dense, feature_names=cfg.feature_names, num_embeddings=cfg.num_embeddings,
-                    batch_size=cfg.batch_size)
+    spec = data_spec(cfg)
     data = SyntheticData(spec, seed=a.seed)
     batches = []
     g = torch.Generator().manual_seed(a.seed + 1)

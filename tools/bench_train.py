@@ -55,7 +55,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from dlrm_cxl.data import Prefetcher, SyntheticData  # noqa: E402
 from dlrm_cxl.model import PRESETS, ModelConfig, torchrec_dlrm  # noqa: E402
-from dlrm_cxl.trainer import Trainer, TrainOptions, data_spec  # noqa: E402
+from dlrm_cxl.options import TrainOptions, data_spec  # noqa: E402
+from dlrm_cxl.trainer import Trainer  # noqa: E402
 from dlrm_cxl.trainer import io_write_bytes as _io_write_bytes  # noqa: E402
 from checkpointing.baselines import BytesFloorCheckpointer  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402

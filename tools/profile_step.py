@@ -29,7 +29,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from dlrm_cxl.data import Prefetcher  # noqa: E402
 from dlrm_cxl.model import PRESETS  # noqa: E402
-from dlrm_cxl.trainer import Trainer, TrainOptions  # noqa: E402
+from dlrm_cxl.options import TrainOptions  # noqa: E402
+from dlrm_cxl.trainer import Trainer  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 
 PHASES = ("plan", "log_before_image", "forward", "backward_and_fused_update", "dense_optimizer", "commit")

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from memory_pool.validation import is_int
+
 from ..errors import DataFormatError
 
 CRITEO_NUM_DENSE = 13
@@ -56,7 +58,8 @@ class DataSpec:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    """:func:`memory_pool.validation.is_int`, or a numpy integer (values read from arrays)."""
+    return is_int(x) or isinstance(x, np.integer)
 
 
 def _validate_spec(spec: DataSpec) -> None:
