@@ -14,6 +14,7 @@ Layout of ``<dir>/``::
     START                                first live sequence number (written before segments are
                                          dropped, so a missing *first* segment is detected too)
     free-<hex>.log                       reclaimed segments kept for reuse (never read)
+    COMMITTED                            the committed mark: a transaction known durable
 
 Segment: a 64-byte header (magic ``DCXJSEG1``, version, first seq, flags, crc32c), then records.
 
@@ -74,6 +75,37 @@ device's volatile cache, and the file's size). The journal's pages are then not 
 cache: replay and compaction read them from the disk (measured: cheap in CPU, read ahead in
 large blocks). A file system that refuses ``O_DIRECT`` is written through the page cache.
 
+Committed mark (``COMMITTED``: the sequence number and tag of an ``END`` that was durable, crc32c).
+A power loss cannot remove bytes that an ``fdatasync`` made durable; a journal that ends before a
+commit it once had was cut (truncated, a segment deleted), and scanning it as a torn tail would
+silently go back many committed steps. Inside the journal nothing can tell: a transaction cut off
+at the end looks exactly like one a crash tore before its ``END``. So the writer rewrites this
+small file in place after an ``END`` is durable, every ``MARK_EVERY`` bytes of appends, and the
+scan refuses a journal whose newest ``END`` is older than the mark (damage, exit 4, nothing
+changed), naming the committed steps that are missing (at least that many: the mark trails the
+newest commit by less than ``MARK_EVERY``). Rules, and why each is sound:
+
+* written only after its ``END``'s ``fdatasync`` returned: it never names more than is durable;
+* never synced itself (one small buffered write a MiB of journal, not one ``fsync`` a commit): a
+  power loss may keep an older mark, which vouches for less -- still true;
+* moved every ``MARK_EVERY`` bytes, not at every ``END``: a small step's commit costs no extra
+  write (nor, under the emulated power loss of :mod:`memory_pool.fileio`, an undo entry). The
+  price: a cut that removes only commits made after the mark reads as a torn tail, as before;
+  a cut of more than the last ``MARK_EVERY`` bytes of commits is caught (unless a power loss
+  also took the newest mark from the page cache: then an older one, or none, is checked);
+* read before ``START`` and the segments: a reader beside a live writer sees at least what the
+  mark it read names (the ``END`` was written before the mark), so it never reports a commit
+  made after it looked;
+* ignored below ``START``: a compaction dropped those records on purpose;
+* ignored when torn or damaged (its crc32c): a mark vouches for nothing then, and the scan
+  checks what it always did;
+* format: a file that an older dlrm-cxl neither reads nor writes; appends of an older writer
+  only leave the mark behind, never ahead. The segments are unchanged, so no version bump.
+
+The other high-water marks are checked by the scan already: a sealed segment is followed by a
+segment whose first sequence number must follow its last record (a cut or deleted segment that
+is not the last is a gap: damage), and ``START`` names the first segment, which must exist.
+
 Thread safety: one writer thread appends and ends transactions; :meth:`Journal.reclaim` (the
 compactor) may run on another thread; both take the journal's lock around segment-list changes.
 """
@@ -119,6 +151,10 @@ BLOCK = 4096                              # direct writes: offsets, lengths and 
 REC_MAGIC = b"DCXR"
 REC = struct.Struct("<4sB3xQqQII")        # magic, type, seq, tag, length, payload crc, header crc (40)
 VERSION = 1
+MARK = "COMMITTED"                        # the committed mark (see "Committed mark" above)
+MARK_MAGIC = b"DCXJMRK1"
+MARK_REC = struct.Struct("<8sQqI")        # magic, seq of a durable END, its tag, crc32c (28 bytes)
+MARK_EVERY = 1 << 20                      # the mark moves after this many bytes of appends
 
 
 class RecordType(enum.IntEnum):
@@ -237,6 +273,8 @@ class Journal:
         self._lock = threading.RLock()
         self._fd: int | None = None
         self.bytes_appended = 0       # payload + headers appended by this process
+        self._mark_fd: int | None = None   # the committed mark (COMMITTED), opened at its first write
+        self._marked_at = 0           # bytes_appended when the mark was last moved
         self.syncs = 0
         self.recycled = 0             # segments started by reusing a reclaimed one
         if not read_only:
@@ -266,6 +304,7 @@ class Journal:
     def _scan(self) -> None:
         segs: list[_Segment] = []
         self._stray: Path | None = None   # an empty last segment, removed by the first append
+        mark = self._read_mark()   # (before START and the segments: see "Committed mark")
         start = self._start_seq()
         paths = sorted(self.dir.glob("seg-*.log")) if self.dir.is_dir() else []
         for p in paths:
@@ -378,10 +417,37 @@ class Journal:
                 self.torn_bytes += seg.size - ref.offset
                 seg.size = ref.offset
                 break
+        newest = self.txns[-1].end.seq if self.txns else start - 1
+        if mark is not None and start <= mark[0] and newest < mark[0]:
+            raise JournalCorruptError(self._lost_commits(mark, newest))
         self.tail = pending
         self._segs = segs
         self.next_seq = expect if not pending else pending[-1].seq + 1
         self._tail_clean = not self.tail and self.torn_bytes == 0
+
+    def _read_mark(self) -> tuple[int, int] | None:
+        """The committed mark's (END seq, tag), or None: no mark, or a torn or damaged one."""
+        try:
+            raw = (self.dir / MARK).read_bytes()
+        except OSError:
+            return None
+        if len(raw) != MARK_REC.size:
+            return None
+        magic, seq, tag, crc = MARK_REC.unpack(raw)
+        if magic != MARK_MAGIC or crc32c_extend(0, raw[:-4]) != crc:
+            return None
+        return seq, tag
+
+    def _lost_commits(self, mark: tuple[int, int], newest: int) -> str:
+        seq, tag = mark
+        msg = (f"journal {self.dir}: the transaction ending at record {seq}{f' (step {tag})' if tag >= 0 else ''} "
+               f"was committed and durable ({MARK}), but the journal now ends at record {newest}")
+        steps = [t.tag for t in self.txns if t.tag >= 0]
+        if tag >= 0 and (not steps or max(steps) < tag):
+            lo = max(steps) + 1 if steps else 0
+            msg += f": at least {tag - lo + 1} committed steps ({lo}..{tag}) are missing"
+        return msg + (" -- it was truncated or a segment deleted, which a power loss cannot do (what an fdatasync "
+                      "made durable stays)")
 
     def _valid_after(self, seg: _Segment, off: int, after_seq: int) -> list[RecordRef]:
         """Valid record headers after a bad spot (searching for the record magic), up to the
@@ -543,6 +609,10 @@ class Journal:
         unchanged, by the next append) and switch the descriptor to O_DIRECT."""
         if not self.direct:
             return
+        # (Read before O_DIRECT is on: an unaligned read of a direct descriptor is EINVAL.
+        # Where the file system refuses O_DIRECT -- tmpfs before Linux 6.6, many FUSE file
+        # systems -- _set_direct drops the block again: a buffered write starts at the append
+        # point itself, and the kept block in front of it made every append fail.)
         at = seg.size - seg.size % BLOCK
         self._tail_block = os.pread(self._fd, seg.size - at, at)
         self._set_direct(True)
@@ -554,6 +624,11 @@ class Journal:
         except OSError:
             on = False  # a file system without O_DIRECT: through the page cache
         self.direct = on
+        if not on:
+            # Buffered from here on: a write starts at the append point, so no block is rewritten
+            # and none is kept (a stale one, left by the fallback after a refused direct write,
+            # made the next append fail).
+            self._tail_block = b""
 
     def _close_fd(self) -> None:
         self._map = None  # (stays in self._maps for the file's next life)
@@ -622,7 +697,8 @@ class Journal:
             # the block holding off0, whose first bytes are written again, unchanged.
             base = off0 - off0 % BLOCK if self.direct else off0
             dest = self._stage(end - base)
-            dest[:off0 - base] = np.frombuffer(self._tail_block, dtype=np.uint8)
+            if self.direct:
+                dest[:off0 - base] = np.frombuffer(self._tail_block, dtype=np.uint8)
         crcs, off = [], off0
         for rtype, seq, tag, length, parts in entries:
             # The payload first, the header last: a crash mid-record leaves no valid header
@@ -779,6 +855,8 @@ class Journal:
         ref = self.append(RecordType.END, tag, [payload])
         # 2. The END durable: from here on the transaction survives any crash.
         self.flush()
+        if self.sync and self.bytes_appended - self._marked_at >= MARK_EVERY:
+            self._mark(ref)
         txn = TxnInfo(tag, doc, records, ref)
         with self._lock:
             self.txns.append(txn)
@@ -860,9 +938,25 @@ class Journal:
             fsync_dir(self.dir)
         return dropped
 
+    def _mark(self, end: RecordRef) -> None:
+        """Move the committed mark to ``end`` (durable already: see "Committed mark"). In place,
+        one 28-byte write: a torn one fails its crc32c and vouches for nothing. Best effort: a
+        mark that cannot be written only leaves the older one, which is still true."""
+        body = MARK_REC.pack(MARK_MAGIC, end.seq, end.tag, 0)[:-4]
+        try:
+            if self._mark_fd is None:
+                self._mark_fd = fileio.open(self.dir / MARK, os.O_RDWR | os.O_CREAT, 0o644)
+            fileio.pwrite(self._mark_fd, body + struct.pack("<I", crc32c_extend(0, body)), 0)
+        except OSError:
+            return
+        self._marked_at = self.bytes_appended
+
     def close(self) -> None:
         self._close_fd()
         self._drop_mapping()
+        if self._mark_fd is not None:
+            fileio.close(self._mark_fd)
+            self._mark_fd = None
 
 
 def _iter_refs(seg: _Segment) -> Iterable[RecordRef]:

@@ -702,16 +702,38 @@ class Overlay:
         path = self.dir / f"run-{plan.gen:016x}.bin"
         write_run(path, plan.gen, tables)
         run = Run.open(path)
-        run.slot = self._free_slots.pop()
         run.verified[:] = True  # (its rows are the ones just written)
-        plan.run = run
         with self._lock:
+            run.slot = self._new_slot(plan)
+            plan.run = run
             for name, t in plan.tables.items():
                 w = self.where.get(name)
                 if w is not None and t[1].numel():
                     # The window's rows (NEW so far) and the moved rows (pending or not, as before).
                     w[t[1]] = torch.where(w[t[1]] < 0, -run.slot, run.slot).to(torch.int8)
         return run.nbytes
+
+    def _new_slot(self, plan: _Plan) -> int:
+        """The slot of the run being written: a free one, or else the slot of a run this
+        compaction drops.
+
+        Why the second: with MAX_RUNS live runs every slot is held, and a cleaned run gives its
+        slot back only in :meth:`finish`, after the manifest and the journal -- the 127th
+        compaction failed (IndexError) and left the overlay unusable, and so did every compaction
+        after a reopen, which finds the same MAX_RUNS runs. :meth:`clean` drops at least one run
+        then, and once it has, no entry of ``where`` names a cleaned run any more: its live rows
+        were moved into the new run (their entries become the new run's slot in :meth:`write`)
+        or written home (0). So its slot can name the new run; the cleaned run keeps slot 0
+        (which names no run: :meth:`_run` cannot find it, :meth:`finish` frees nothing for it)
+        until its file goes."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        for r in plan.cleaned:
+            if r.slot:
+                slot, r.slot = r.slot, 0
+                return slot
+        raise RunCorruptError(f"{self.dir}: every one of the {MAX_RUNS} run slots is held and this compaction "
+                              f"drops no run", hint="reopen the pool; if this persists, report it (a bug)")
 
     @property
     def tables_home(self) -> set:
@@ -745,7 +767,8 @@ class Overlay:
         with self._lock:
             for r in plan.cleaned:
                 r.close()
-                self._free_slots.append(r.slot)
+                if r.slot:  # (0: its slot went to the new run, _new_slot)
+                    self._free_slots.append(r.slot)
                 fileio.unlink(r.path, missing_ok=True)
         if plan.cleaned:
             fsync_dir(self.dir)

@@ -24,15 +24,17 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .errors import PoolCorruptError
+from .errors import DlrmCxlError, PoolCorruptError
 from .arena import PAGE, Arena
-from .durable import json_crc_ok, json_with_crc
+from .durable import json_crc_ok, json_with_crc, raise_if_full
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
 from .overlay import DENSE_FRACTION
@@ -40,7 +42,7 @@ from .tiers import shm_root
 from .threads import one_intra_op_thread
 
 __all__ = ["persist_rows", "replay_plan", "table_resets", "replay_rows", "prefetch_if_cold", "newest_mask", "latest",
-           "absorb_rows", "Compactor", "AppliedMark", "APPLIED_PREFIX", "stale_marks"]
+           "absorb_rows", "Compactor", "CompactionError", "AppliedMark", "APPLIED_PREFIX", "stale_marks"]
 
 APPLIED_PREFIX = "dlrm-cxl-applied."   # <shm root>/dlrm-cxl-applied.<pool id>.<key>: see AppliedMark
 _FS_IOC_GETVERSION = 0x80087601        # _IOR('v', 1, long): the inode's generation number
@@ -236,36 +238,88 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     return set(parts)
 
 
+class CompactionError(DlrmCxlError):
+    """A background compaction (or write-back pass) failed with an error that is not one of the
+    pool's typed errors (those are raised as they are: a full disk is :class:`PoolFullError`, a
+    device error :class:`PoolIOError`). Its ``__cause__`` is the original error."""
+
+    exit_code = 1
+    default_hint = ("the pool's background compaction failed; every committed step is still in the journal: fix "
+                    "the cause named above, then reopen the pool (`dlrm-cxl recover --pool DIR`)")
+
+
+def compaction_error(exc: BaseException) -> BaseException:
+    """The typed error a failed background job is reported as (see :meth:`Compactor.check`)."""
+    if isinstance(exc, DlrmCxlError):
+        return exc  # typed already, with its hint (PoolFullError, PoolIOError, RunCorruptError...)
+    if isinstance(exc, OSError):
+        try:
+            raise_if_full(exc, "background compaction")  # a full disk, a device error (EIO)
+        except DlrmCxlError as typed:
+            return typed
+        except OSError:
+            pass
+    err = CompactionError(f"background compaction failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
 class Compactor:
-    """One compaction at a time, inline or on a background thread."""
+    """One compaction at a time, inline or on a background thread.
+
+    A background job that fails is reported, once, to the next caller that looks: :meth:`check`
+    (the pool's ``compacting``, which the checkpointer reads after every commit, and its persist
+    calls), :meth:`run` and :meth:`wait`. Why: a failure nobody looked at was replaced by the
+    next job, and a compactor failing every time (a full disk, a bad run directory) let the
+    journal grow until the disk filled, with the trainer none the wiser. Typed
+    (:func:`compaction_error`): the CLI exits with the error's code and hint."""
 
     def __init__(self):
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future | None = None
+        self._lock = threading.Lock()   # (the journal writer, the trainer and close() look)
 
     @property
     def running(self) -> bool:
-        return self._job is not None and not self._job.done()
+        job = self._job
+        return job is not None and not job.done()
+
+    def check(self) -> None:
+        """Raise the error of the background job if it finished with one (once: the next job may
+        run after it); nothing when it succeeded or still runs."""
+        with self._lock:
+            job = self._job
+            if job is None or not job.done():
+                return
+            self._job = None
+        exc = job.exception()
+        if exc is not None:
+            raise compaction_error(exc)
 
     def run(self, fn: Callable[[], None], *, wait: bool) -> Future | None:
         """Run ``fn`` now (``wait``: after the background job, if one runs), or in the
-        background: None if one is still running."""
+        background: None if one is still running. Raises the error of a background job that
+        failed instead (:meth:`check`)."""
         if wait:
             self.wait()
             fn()
             return None
+        self.check()
         if self.running:
             return None
         if self._pool is None:
             # (one intra-op thread: it runs beside the trainer's GEMMs, see one_intra_op_thread)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="journal-compactor", initializer=one_intra_op_thread)
-        self._job = self._pool.submit(fn)
-        return self._job
+        with self._lock:
+            self._job = self._pool.submit(fn)
+            return self._job
 
     def wait(self) -> None:
-        """Wait for the background compaction, if one is running (and raise its error)."""
-        if self._job is not None:
-            self._job.result()
+        """Wait for the background compaction, if one is running (and raise its error: :meth:`check`)."""
+        job = self._job
+        if job is not None:
+            futures_wait([job])
+            self.check()
 
     def shutdown(self) -> None:
         if self._pool is not None:

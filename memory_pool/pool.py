@@ -270,6 +270,7 @@ class MemoryPool:
         """Make ``[(table, ids)]`` durable now (trusted ids), in one group commit on a
         journaled tier. Returns the row bytes persisted."""
         self._check_writable()
+        self._compactor.check()  # (a failed background compaction is reported here first)
         self.ready(pairs)
         return persist_rows(self.journal if self.journaled else None, pairs)
 
@@ -492,7 +493,11 @@ class MemoryPool:
 
     @property
     def compacting(self) -> bool:
-        """A background compaction is running."""
+        """A background compaction is running. Raises the error of one that failed, once (typed:
+        see ``Compactor.check``): the checkpointer reads this after every commit, on the journal
+        writer's thread, whose error reaches the trainer at its next commit -- a failure nobody
+        looked at let the journal grow until the disk filled."""
+        self._compactor.check()
         return self._compactor.running
 
     def wait_compaction(self) -> None:
@@ -989,6 +994,7 @@ class MemoryPool:
         """Make every row written since the last persist durable (per the tier's durability):
         on a journaled tier, one group commit for all tables."""
         self._check_writable()
+        self._compactor.check()  # (a failed background compaction is reported here first)
         t0 = time.perf_counter()
         # (dirty until the transaction is durable: a failed persist leaves them to its retry)
         n = persist_rows(self.journal if self.journaled else None,
