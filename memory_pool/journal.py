@@ -354,8 +354,14 @@ class Journal:
                         segs.pop()
                         self._stray = seg.path
                         break
-                    if i == len(segs) - 1 and not pending and seg.size <= SEG.size:
-                        bad = (seg, 0, "segment header torn")  # created, header not yet durable
+                    if i == len(segs) - 1 and ((not pending and seg.size <= SEG.size) or not any(head)):
+                        # Created, header not yet durable: torn, not damage. A header that reads
+                        # as zeros never reached the disk (a power loss that kept some later
+                        # blocks of the file, not its first); no END after it was ever durable,
+                        # since a segment's header is written before its records and every sync
+                        # of the file covers it (a recycled one's is synced before its rename).
+                        # A header with a flipped bit is damage.
+                        bad = (seg, 0, "segment header torn")
                         break
                     raise JournalCorruptError(f"journal segment {seg.path.name}: header damaged")
                 recycled = seg.stale_after = bool(SEG.unpack(head)[3] & SEG_RECYCLED)

@@ -229,7 +229,9 @@ def test_crash_at_every_phase_then_recover_and_resume_is_bit_exact(cli, root, re
     if phase == "after-commit":
         assert c == K and rolled == []
     elif phase in IN_COMMIT:
-        assert c == K - 1 and rolled == [K]
+        # (mid-dense on power-sim: nothing of step K was synced yet, and the emulated power
+        # loss took its records back, memory_pool/fileio.py: nothing left to roll back)
+        assert c == K - 1 and rolled == ([] if (phase, tier) == ("mid-dense", "power-sim") else [K])
     elif phase in PRE_COMMIT:
         # (inline, step K-1 was durable before step K began: nothing but the step in flight is lost)
         assert c in ((K - 1,) if tier == "shm-inline" else (K - 1, K - 2)), c
@@ -302,9 +304,13 @@ def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root,
 
 
 def _multi_step_crash(cli, pool: Path, tier: str) -> None:
-    """Kill at step 7 with --dense-every 4: steps 5, 6, 7 after the commit of step 4."""
+    """Kill at step 7 with --dense-every 4: steps 5, 6, 7 after the commit of step 4. (On the
+    journaled tiers at step 8's commit, once steps 5-8's records are synced and before their END:
+    what a power loss keeps. The records of steps 5-7 alone are never synced, and the emulated
+    power loss of those tiers takes them back: nothing would be left to roll back.)"""
+    at = "7:after-update" if tier == "shm" else "8:before-commit"
     r = cli.run(["train", "--pool", pool, *flags(tier, "--dense-every", 4), "--steps", N,
-                 "--crash-at", "7:after-update"])
+                 "--crash-at", at])
     assert killed(r), r.stderr[-3000:]
 
 
@@ -595,7 +601,7 @@ def test_train_on_a_crashed_journaled_pool_drops_the_unfinished_step_and_resumes
 # --------------------------------------------------------------------------- 8. dry run
 
 
-@pytest.mark.parametrize("tier,phase", [("shm", "mid-update"), ("power-sim", "mid-dense")])
+@pytest.mark.parametrize("tier,phase", [("shm", "mid-update"), ("power-sim", "before-commit")])
 def test_dry_run_changes_nothing_and_reports_what_it_would_roll_back(cli, root, ref, tier, phase):
     pool = root / f"dry-run-{tier}"
     r = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N, "--crash-at", f"{K}:{phase}"])
