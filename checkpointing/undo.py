@@ -615,17 +615,24 @@ class NoCheckpointer(Checkpointer):
         pool, j = self.pool, self.pool.journal
         if j is not None:
             t_bytes = 0
-            for name in pool.tables():
-                t = pool.table(name)
-                ids = t.take_dirty()
-                if ids.numel() and pool.journaled:
-                    j.append(RecordType.ROWS, step, encode_rows(name, ids, t.view().index_select(0, ids)))
-                    t_bytes += ids.numel() * (8 + t.config.row_bytes)
-                elif ids.numel():
-                    pool.persist_rows([(t, ids)])
-            parts, d_bytes = self._packer.pack(self.dense_state(step))
-            j.append(RecordType.DENSE, step, parts)
-            txn = j.end(step, commit_doc(step))
+            taken = []
+            try:
+                for name in pool.tables():
+                    t = pool.table(name)
+                    ids = t.take_dirty()
+                    taken.append((t, ids))
+                    if ids.numel() and pool.journaled:
+                        j.append(RecordType.ROWS, step, encode_rows(name, ids, t.view().index_select(0, ids)))
+                        t_bytes += ids.numel() * (8 + t.config.row_bytes)
+                    elif ids.numel():
+                        pool.persist_rows([(t, ids)])
+                parts, d_bytes = self._packer.pack(self.dense_state(step))
+                j.append(RecordType.DENSE, step, parts)
+                txn = j.end(step, commit_doc(step))
+            except BaseException:
+                for t, ids in taken:  # not durable (a full disk): dirty again, for the retry
+                    t.mark_dirty(ids)
+                raise
             if j.live_bytes >= default_compact_bytes(pool):
                 # Bounded as the undo log's: what precedes this transaction (the recovery point,
                 # kept) is written back and dropped. Without it every run of a journaled pool

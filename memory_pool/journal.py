@@ -648,7 +648,10 @@ class Journal:
         seg = _Segment(self.dir / _seg_name(self.next_seq), self.next_seq, SEG.size)
         fd = self._reuse_free(seg) if self._free else None
         if fd is None:
-            fd = fileio.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                fd = fileio.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as exc:  # (a full disk: under power-sim the undo log's own write too)
+                raise_if_full(exc, f"creating journal segment {seg.path}")
             try:
                 # Mapped: sized up front (allocated a chunk at a time as it fills, _prepare), so
                 # flagged as a recycled one is (header first: a crash before the resize leaves a

@@ -307,3 +307,40 @@ def test_concurrent_header_writers_lose_no_update(tmp_pool_dir):
     assert [x["name"] for x in h["tables"]] == [f"t{i}" for i in range(n)]
     with MemoryPool.open(tmp_pool_dir) as p:
         assert p.tables() == [f"t{i}" for i in range(n)]
+
+
+@pytest.mark.parametrize("tier", JOURNALED)
+def test_a_final_commit_of_checkpoint_none_that_fails_on_a_full_disk_is_retried_with_its_rows(small_fs, tier):
+    """`--checkpoint none` commits a run's rows once, at its end (NoCheckpointer.checkpoint_now):
+    a commit that fails on a full disk leaves the rows dirty, and the retry commits them."""
+    import random
+
+    from checkpointing import NoCheckpointer, recover
+
+    def dense(step):
+        return {"step": step, "model": {"w": torch.zeros(3)}, "optimizer": {"state": {}, "param_groups": []},
+                "data_position": None, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+
+    path = small_fs / "pool"
+    pool = MemoryPool.create(path, tier=tier)
+    try:
+        t = pool.create_table("t", 1024, DIM, init="uniform", seed=1)
+        ref = t.read(torch.arange(1024)).clone()
+        ck = NoCheckpointer(pool, dense)
+        ids = torch.arange(100, 400)
+        new = torch.randn(ids.numel(), DIM, generator=torch.Generator().manual_seed(3))
+        assert not torch.equal(ref[ids], new)
+        ck.begin_step(1)
+        t.write(ids, new)
+        filler = _fill(small_fs)
+        with pytest.raises(PoolFullError):
+            ck.checkpoint_now(1)
+        filler.unlink()
+        ck.checkpoint_now(1)          # the retry: the rows are still dirty
+        ref[ids] = new
+        ck.close()
+    finally:
+        pool.close()
+    assert recover(path).committed_step == 1
+    with MemoryPool.open(path) as p:
+        assert torch.equal(p.table("t").view(), ref)
