@@ -19,6 +19,9 @@ PoolLockedError           5     stop the other writer, or open read-only (inspec
 PoolFullError             6     pool full: raise --capacity or free disk space
 PoolIOError               9     the device failed a write; nothing committed is lost: check the
                                 disk (dmesg), then `dlrm-cxl recover --pool DIR`
+CompactionError           10    the pool's background compaction failed; every committed step is
+                                still in the journal: fix the cause named above, then reopen the
+                                pool (`dlrm-cxl recover --pool DIR`)
 PoolReadOnlyError         2     open the pool without read_only=True to change it
 PoolVolatileError         3     dram pools do not survive their process; use --tier shm, pmem or
                                 power-sim
@@ -53,6 +56,7 @@ interrupted and 1 for anything unexpected.
 from __future__ import annotations
 
 from memory_pool.errors import (
+    CompactionError,
     DlrmCxlError,
     InvalidConfigError,
     InvalidIdsError,
@@ -81,6 +85,7 @@ __all__ = [
     "PoolLockedError",
     "PoolFullError",
     "PoolIOError",
+    "CompactionError",
     "PoolReadOnlyError",
     "PoolVolatileError",
     "PoolExistsError",

@@ -23,6 +23,7 @@ __all__ = [
     "PoolLockedError",
     "PoolFullError",
     "PoolIOError",
+    "CompactionError",
     "PoolReadOnlyError",
     "PoolVolatileError",
     "TableExistsError",
@@ -89,6 +90,21 @@ class PoolIOError(DlrmCxlError):
     exit_code = 9
     default_hint = ("the device failed a write; nothing committed is lost: check the disk (dmesg), then "
                     "`dlrm-cxl recover --pool DIR`")
+
+
+class CompactionError(DlrmCxlError):
+    """A background compaction (or write-back pass) failed with an error that is not one of the
+    pool's typed errors (those are raised as they are: a full disk is :class:`PoolFullError`, a
+    device error :class:`PoolIOError`). Its ``__cause__`` is the original error.
+
+    Exit 10, a code of its own: not 9 (the device reported no I/O error; the cause is something
+    else, e.g. a run directory that is a file, a permission, a read-only file system) and not 1
+    (unexpected): like 6 and 9 it says that every committed step is still in the journal, and
+    that the pool opens again once the cause named in the message is fixed."""
+
+    exit_code = 10
+    default_hint = ("the pool's background compaction failed; every committed step is still in the journal: fix "
+                    "the cause named above, then reopen the pool (`dlrm-cxl recover --pool DIR`)")
 
 
 class PoolReadOnlyError(DlrmCxlError):

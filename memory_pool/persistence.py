@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .errors import DlrmCxlError, PoolCorruptError
+from .errors import CompactionError, DlrmCxlError, PoolCorruptError
 from .arena import PAGE, Arena
 from .durable import json_crc_ok, json_with_crc, raise_if_full
 from .header import HEADER
@@ -236,16 +236,6 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
         else:
             stats.bytes_written_back += region.write_back_in_order(p)
     return set(parts)
-
-
-class CompactionError(DlrmCxlError):
-    """A background compaction (or write-back pass) failed with an error that is not one of the
-    pool's typed errors (those are raised as they are: a full disk is :class:`PoolFullError`, a
-    device error :class:`PoolIOError`). Its ``__cause__`` is the original error."""
-
-    exit_code = 1
-    default_hint = ("the pool's background compaction failed; every committed step is still in the journal: fix "
-                    "the cause named above, then reopen the pool (`dlrm-cxl recover --pool DIR`)")
 
 
 def compaction_error(exc: BaseException) -> BaseException:

@@ -46,6 +46,16 @@ sys.modules[_spec.name] = torture  # (its dataclasses look their module up while
 _spec.loader.exec_module(torture)
 
 
+def _baselines():
+    """tools/baselines.py, the benchmarks' baseline checkpointers (not part of the packages),
+    imported as the tools import it: ``baselines`` with tools/ on ``sys.path``."""
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import baselines
+    return baselines
+
+
 def flags(tier="pmem", *extra) -> list[str]:
     return ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress", *map(str, extra)]
 
@@ -314,7 +324,7 @@ def test_step_context_manager_restores_the_touched_rows_when_the_block_raises(tm
 
 def test_every_checkpointer_yields_its_step_from_the_step_block(tmp_pool_dir):
     from checkpointing import NoCheckpointer
-    from checkpointing.baselines import FullSaveCheckpointer
+    FullSaveCheckpointer = _baselines().FullSaveCheckpointer
 
     pool, t, _ = _pool_with_table(tmp_pool_dir, "pmem")
     dense = Dense()
@@ -784,7 +794,7 @@ def test_the_dense_state_packed_off_thread_is_the_committed_one_even_when_update
 def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_nothing(tmp_path, tier):
     """tools/bench_train.py's ``floor`` variant is the undo log's physical floor: the same row
     and dense bytes copied and checksummed per step, nothing written to the journal."""
-    from checkpointing.baselines import BytesFloorCheckpointer
+    BytesFloorCheckpointer = _baselines().BytesFloorCheckpointer
     from dlrm_cxl.model import PRESETS
 
     spec = importlib.util.spec_from_file_location("bench_train", REPO / "tools" / "bench_train.py")

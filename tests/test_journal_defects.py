@@ -32,7 +32,7 @@ import torch
 from memory_pool import MemoryPool
 from memory_pool.journal import MARK, Journal, JournalCorruptError, RecordType
 from memory_pool.overlay import MANIFEST, MAX_RUNS, RUNS_DIR
-from memory_pool.persistence import CompactionError
+from memory_pool.errors import CompactionError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -286,6 +286,7 @@ def test_a_failed_background_compaction_reaches_the_next_persist_as_a_typed_erro
     ref[7] = 2.0
     with pytest.raises(CompactionError) as err:
         pool.persist()
+    assert err.value.exit_code == 10
     assert isinstance(err.value.__cause__, FileExistsError) and "runs" in str(err.value.__cause__)
     assert "background compaction failed" in str(err.value) and "recover" in err.value.hint
     pool.persist()                                   # reported once; the rows are still dirty
@@ -319,6 +320,30 @@ def test_a_compaction_failing_under_the_trainer_stops_it_with_the_typed_error_an
     assert "Traceback" not in r.stderr and "No space left on device" in r.stderr and "hint:" in r.stderr, r.stderr
     assert "run-" in r.stderr, r.stderr                    # it names the run file it could not write
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("dlrm-cxl train: error:")], r.stderr
+    again = _cli("train", "--pool", pool, *args, "--steps", 12, env=small)
+    assert again.returncode == 0, again.stderr[-3000:]
+    digest = [ln for ln in again.stdout.splitlines() if ln.startswith("state_digest")]
+    assert digest and digest == [ln for ln in ref.stdout.splitlines() if ln.startswith("state_digest")]
+
+
+def test_a_compaction_failing_for_another_reason_stops_the_cli_with_exit_10_and_it_resumes_bit_exact(tmp_path):
+    """Not a full disk, not EIO: the runs' directory is a file (a real EEXIST from mkdir in the
+    trainer's background compaction). The CLI exits with CompactionError's own code, 10, one line
+    and its hint, no traceback; once the file is gone the same command ends in the uninterrupted
+    run's digest."""
+    small = {"DLRM_CXL_SEGMENT_MB": "0.25", "DLRM_CXL_COMPACT_MB": "0.5", "DLRM_CXL_RUNS_MB": "64"}
+    args = ["--preset", "tiny", "--tier", "pmem", "--threads", "1", "--no-progress"]
+    ref = _cli("train", "--pool", tmp_path / "ref", *args, "--steps", 12)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    pool = tmp_path / "pool"
+    r = _cli("train", "--pool", pool, *args, "--steps", 1)      # (default thresholds: no compaction, no runs)
+    assert r.returncode == 0 and not (pool / RUNS_DIR).exists(), r.stderr[-3000:]
+    (pool / RUNS_DIR).write_text("not a directory\n")
+    r = _cli("train", "--pool", pool, *args, "--steps", 12, env=small)
+    assert r.returncode == CompactionError.exit_code == 10, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert "Traceback" not in r.stderr and "background compaction failed: FileExistsError" in r.stderr, r.stderr
+    assert f"hint: {CompactionError.default_hint}" in r.stderr, r.stderr
+    (pool / RUNS_DIR).unlink()
     again = _cli("train", "--pool", pool, *args, "--steps", 12, env=small)
     assert again.returncode == 0, again.stderr[-3000:]
     digest = [ln for ln in again.stdout.splitlines() if ln.startswith("state_digest")]

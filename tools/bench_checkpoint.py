@@ -9,9 +9,9 @@ timed windows (A B C D E, B C D E A, ...) after a warm-up; medians over ``--roun
 * ``undo de=1``       batch-aware undo logging, dense snapshot every step (the default);
 * ``undo de=M``       the same, dense snapshot every M steps (``--dense-every``, default 10);
 * ``full N``          torch.save of the whole model every N steps, synchronous and durable
-                      (checkpointing.baselines.FullSaveCheckpointer; ``--every``, default 10);
+                      (FullSaveCheckpointer in tools/baselines.py; ``--every``, default 10);
 * ``incremental N``   the rows changed since the last checkpoint + dense state every N steps
-                      (Check-N-Run style; checkpointing.baselines.IncrementalCheckpointer).
+                      (Check-N-Run style; IncrementalCheckpointer in tools/baselines.py).
 
 For each: steps/s, its change vs ``none``, bytes made durable per step, main-thread time in the
 checkpointer, and the recovery point (how many steps a crash can lose, the unfinished one
@@ -47,7 +47,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,7 +57,7 @@ import torch  # noqa: E402
 from bench_train import (PoolVariant, command_line, fmt_table, interleave, machine_line,  # noqa: E402
                          make_batches, median)
 from checkpointing import committed_state, recover  # noqa: E402
-from checkpointing.baselines import FullSaveCheckpointer, IncrementalCheckpointer, durable_torch_save  # noqa: E402
+from baselines import FullSaveCheckpointer, IncrementalCheckpointer, durable_torch_save  # noqa: E402
 from dlrm_cxl.model import PRESETS  # noqa: E402
 from memory_pool import MemoryPool, destroy_pool  # noqa: E402
 from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402

@@ -47,18 +47,19 @@ from pathlib import Path
 from typing import Callable
 
 _ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+for _dir in (_ROOT, _ROOT / "tools"):   # the packages, and tools/baselines.py
+    if str(_dir) not in sys.path:
+        sys.path.insert(0, str(_dir))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from baselines import BytesFloorCheckpointer  # noqa: E402
 from dlrm_cxl.data import Prefetcher, SyntheticData  # noqa: E402
 from dlrm_cxl.model import PRESETS, ModelConfig, torchrec_dlrm  # noqa: E402
 from dlrm_cxl.options import TrainOptions, data_spec  # noqa: E402
 from dlrm_cxl.trainer import Trainer  # noqa: E402
 from dlrm_cxl.trainer import io_write_bytes as _io_write_bytes  # noqa: E402
-from checkpointing.baselines import BytesFloorCheckpointer  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 from memory_pool.lifecycle import gc as gc_shm_regions  # noqa: E402
 
@@ -344,7 +345,7 @@ def parse_args(argv=None):
     p.add_argument("--tiers", default="shm,pmem,power-sim", help="comma-separated (default shm,pmem,power-sim)")
     p.add_argument("--checkpoints", default="none,undo",
                    help="comma-separated subset of none,floor,undo (floor: the bytes of a recovery point copied "
-                        "and checksummed, nothing else: checkpointing.baselines.BytesFloorCheckpointer)")
+                        "and checksummed, nothing else: BytesFloorCheckpointer in tools/baselines.py)")
     p.add_argument("--dense-every", type=int, default=1, help="undo variants: dense snapshot every N steps")
     p.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec reference")
     p.add_argument("--num-batches", type=int, default=32, help="distinct pre-generated batches, cycled")

@@ -1,5 +1,10 @@
 """Baseline checkpointers that users would otherwise pick. FOR BENCHMARKS ONLY.
 
+A tool, not part of the product (it lives in ``tools/``, outside the installed packages; the CLI's
+``--checkpoint`` offers only ``undo`` and ``none``): ``tools/bench_checkpoint.py`` and
+``tools/bench_train.py`` import it as ``baselines`` with ``tools/`` on ``sys.path``, and so do
+the tests.
+
 They implement the :class:`~checkpointing.base.Checkpointer` interface so that the trainer can
 drive them exactly like :class:`~checkpointing.undo.UndoLogCheckpointer`
 (``tools/bench_checkpoint.py`` swaps them into a :class:`dlrm_cxl.trainer.Trainer`), but they
@@ -57,11 +62,10 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from checkpointing.base import Checkpointer, CheckpointStats, Step, Touched
 from memory_pool import MemoryPool
 from memory_pool.durable import atomic_write
 from memory_pool.records import crc32c_extend
-
-from .base import Checkpointer, CheckpointStats, Step, Touched
 
 __all__ = ["FullSaveCheckpointer", "IncrementalCheckpointer", "BytesFloorCheckpointer", "durable_torch_save",
            "baseline_dir", "load_full", "apply_increments"]
