@@ -437,7 +437,8 @@ def _read_log(path: Path) -> list[tuple[dict, bytes]]:
 
 
 def _unsynced(entries: list[tuple[dict, bytes]]) -> list[tuple[dict, bytes]]:
-    """The entries no later marker cancels, in log order."""
+    """The entries no later marker cancels, in log order. A data entry of a file that a durable
+    rename then moved names the file's new name (an undone rename is :func:`power_on`'s)."""
     alive: list[list] = []
     for doc, blob in entries:
         op = doc["op"]
@@ -462,7 +463,20 @@ def _unsynced(entries: list[tuple[dict, bytes]]) -> list[tuple[dict, bytes]]:
                     if a[0]["op"] in ("data", "size") and a[2] == doc["src"]:
                         a[2] = doc["dst"]
             alive.append([doc, blob, path, True, dirs])
-    return [(a[0], a[1]) for a in alive if a[3]]
+    out = []
+    for i, a in enumerate(alive):
+        if not a[3]:
+            continue
+        if a[0]["op"] in ("data", "size"):
+            # Where the file is after the power loss: renames after it that are durable moved it.
+            p = a[0]["path"]
+            for r in alive[i + 1:]:
+                if r[0]["op"] == "rename" and not r[3] and r[0]["src"] == p:
+                    p = r[0]["dst"]
+            if p != a[0]["path"]:
+                a[0] = {**a[0], "path": p}
+        out.append((a[0], a[1]))
+    return out
 
 
 def unsynced_count(root) -> int:

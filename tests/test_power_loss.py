@@ -368,3 +368,36 @@ def test_a_real_power_loss_keeps_a_synced_write_even_when_its_undo_entry_reached
     finally:
         if copied is not None:
             copied.close()
+
+
+def test_a_reused_segment_whose_records_never_came_is_not_damage_after_a_power_loss(tmp_path):
+    """A reclaimed segment reused for new records gets a new header, synced before its rename
+    (``Journal._reuse_free``): a power loss before the first record must leave a segment that
+    reads as empty, not one named for the new life with the old life's header (damage)."""
+    from memory_pool.journal import Journal, RecordType
+
+    def commit(j, tag):
+        for _ in range(3):
+            j.append(RecordType.UNDO, tag, [bytes(100)])
+        j.end(tag, {"step": tag, "kind": "commit"})
+
+    fileio.watch(tmp_path)
+    try:
+        j = Journal(tmp_path, segment_bytes=700)
+        for tag in range(8):
+            commit(j, tag)
+        j.reclaim(j.txns[-1].first_seq)
+        assert list(tmp_path.glob("free-*.log")), "the test needs reclaimed segments"
+        commit(j, 8)
+        before, tags = j.recycled, [t.tag for t in j.txns]
+        j.rotate()                       # the next segment: a reclaimed one, renamed, new header
+        assert j.recycled == before + 1
+        j.close()
+    finally:
+        fileio.unwatch(tmp_path)
+    fileio.power_on(tmp_path)            # the power goes before any record is written into it
+    back = Journal(tmp_path)
+    assert [t.tag for t in back.txns] == tags and back.tail_damage is None
+    commit(back, 9)
+    back.close()
+    assert [t.tag for t in Journal(tmp_path).txns] == tags + [9]
