@@ -27,10 +27,10 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
-from typing import Mapping, NamedTuple
+from typing import Mapping
 
 import torch
 
@@ -40,10 +40,9 @@ from ._native import libpmem
 from .cache import RowCache
 from .header import FORMAT_VERSION, HEADER, MAGIC, RUNS_FORMAT_VERSION, header_bytes, read_header
 from .table import PoolStats, Table, TableConfig
-from .validation import env_mib, is_int, json_copy, validate_ids, validate_init, validate_table_config
+from .validation import env_mib, is_int, json_copy, validate_init, validate_table_config
 from .errors import (
     InvalidConfigError,
-    InvalidIdsError,
     PoolCorruptError,
     PoolExistsError,
     PoolFormatError,
@@ -55,30 +54,19 @@ from .errors import (
     TableNotFoundError,
 )
 from .lifecycle import REGION_PREFIX, owns_region, record_owner
-from .threads import one_intra_op_thread
 from .writer_lock import take_lock
 from .arena import Arena, page_round
-from .journal import Journal, RecordType
-from .ondemand import PendingRows
-from .overlay import DEFAULT_BOUND, DENSE_FRACTION, MANIFEST, RUNS_DIR, Overlay
-from .persistence import (AppliedMark, Compactor, absorb_rows, persist_rows, prefetch_if_cold, replay_plan,
-                          replay_rows, table_resets)
-from .tiers import (TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root,
-                    torch_dtype)
+from .journal import Journal
+from .overlay import MANIFEST, RUNS_DIR
+from .persistence import AppliedMark, persist_rows
+from .tiers import TIERS, detect_dax, durability_of, is_journaled, libpmem_missing, open_region, shm_root
+from .compaction import Compaction
+from .replay import REPLAY_MODES, Replayer
+from .gather import RowGather, copy_row_gathers, row_gathers, rows_per_pair
+from .kjt_lookup import lookup_kjt
 
 __all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION",
            "HEADER", "read_header", "REPLAY_MODES"]
-
-# How an open applies the journal's committed rows to the working copy: all before it returns,
-# or each when first needed (memory_pool/ondemand.py).
-REPLAY_MODES = ("eager", "on-demand")
-
-# A journaled pool whose tables hold more than this keeps a row overlay (memory_pool/overlay.py)
-# of DEFAULT_BOUND bytes: there most rows a compaction writes back are alone in their page
-# (`kaggle`); below it most pages a compaction writes are dense anyway (`small`: WA 1.18 in
-# place). DLRM_CXL_RUNS_MB overrides the bound (0: none; a pool that has runs then writes them
-# all home at its next compaction).
-OVERLAY_FROM_BYTES = 2 << 30
 
 
 # --------------------------------------------------------------------------- pool
@@ -106,32 +94,6 @@ def _check_libpmem_request(tier: str, use_libpmem: bool | None) -> None:
         raise libpmem_missing()
 
 
-class RowGather(NamedTuple):
-    """One group of :meth:`MemoryPool.row_gathers`: rows ``ids`` of ``src`` (a 2-D view of the
-    arena or of one table), which are the rows of the pairs at indexes ``idx``, in that order."""
-
-    idx: list[int]
-    src: torch.Tensor
-    ids: torch.Tensor
-    grouped: bool  # a view of the arena shared by several pairs (else one table's own view)
-
-    @property
-    def rows(self) -> int:
-        return int(self.ids.numel())
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.src.dtype
-
-    @property
-    def row_bytes(self) -> int:
-        return self.src.shape[1] * self.src.element_size()
-
-    def into(self, out: torch.Tensor) -> torch.Tensor:
-        """Copy the rows into ``out`` (``[rows, src columns]``, ``src``'s dtype); returns it."""
-        return torch.index_select(self.src, 0, self.ids, out=out)
-
-
 class MemoryPool:
     """A pool of embedding tables. Create with :meth:`create`, reopen with :meth:`open`.
 
@@ -144,8 +106,8 @@ class MemoryPool:
                  replay: str = "eager"):
         self.path = Path(path)
         self._rows = rows
-        self._pending: PendingRows | None = None   # on-demand replay's rows still to apply
-        self._overlay: Overlay | None = None       # the row overlay's runs (memory_pool/overlay.py)
+        self._compaction: Compaction | None = None   # write-back, sync, runs, START (memory_pool/compaction.py)
+        self._replayer: Replayer | None = None       # the journal's rows into the working copy (memory_pool/replay.py)
         self._header = header
         self.read_only = read_only
         self._lock_fd = lock_fd
@@ -161,11 +123,6 @@ class MemoryPool:
         # (set_meta, create_table, and the compactor's thread writing format version 3 before
         # the overlay's first manifest) holds it, or one of two racing writers loses its update.
         self._meta_lock = threading.RLock()
-        # Held by a compaction or a write-back pass for as long as it runs (on the compactor's
-        # thread, or inline), and by a bulk load (Table.load_, fill_) from before it forgets the
-        # table's pending rows until its reset is committed: see _bulk_load.
-        self._image_lock = threading.RLock()
-        self._compactor = Compactor()
         self.journal: Journal | None = None
         try:
             cfgs = [TableConfig(t["name"], t["num_embeddings"], t["embedding_dim"], t["dtype"])
@@ -204,26 +161,16 @@ class MemoryPool:
             # compaction; the journal keeps them until then, so this is idempotent). Not marked
             # dirty: they are durable already. Rows that the images' page cache already holds
             # (below the applied mark: a crash of the trainer, not of the machine) are skipped.
-            self._mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / "journal"] + [
+            mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / "journal"] + [
                 self.storage_dir / "tables" / f"{t['name']}.bin" for t in self._header["tables"]], self.path) \
                 if self.journaled and self.tier == "pmem" else None
-            # (With runs, every journal row is replayed: a row below the mark that the images'
-            # page cache holds may have an older value in a run, which would win over the image.)
-            since = 0 if has_runs else ((self._mark.read() if self._mark is not None else None) or 0)
-            # Every ROWS record below this is in the images' page cache (a compaction, or an
-            # apply, wrote it there); those above are only in the journal (and this process).
-            self._applied = max(since, self.journal.start_seq)
-            self._unsynced: set[str] = set()   # tables written back since their last fdatasync
-            if since > self.journal.start_seq:
-                # Trusting the mark means trusting rows that an earlier process wrote into the
-                # images' page cache and never synced: the next compaction, which drops their
-                # journal records, must fdatasync those images too, not only the ones it writes.
-                self._unsynced = {t["name"] for t in header["tables"]}
-            # On demand (memory_pool/ondemand.py), the rows are read and verified the same way,
-            # through a window that keeps the journal mapped, and only indexed here.
-            self._resets = table_resets(self.journal) if self.journaled else {}
-            plan, window = replay_plan(self.journal, {t["name"] for t in header["tables"]}, self.path, since,
-                                       on_demand=replay == "on-demand", resets=self._resets) \
+            self._compaction = Compaction(
+                self.journal, self._tables, self.stats, storage_dir=self.storage_dir, journaled=self.journaled,
+                rows=rows, mark=mark, has_runs=has_runs, table_names=[t["name"] for t in header["tables"]],
+                apply_pending=lambda **kw: self._replayer.apply_pending(**kw), runs_format=self._runs_format)
+            self._replayer = Replayer(self.journal, self._tables, self.stats, self._compaction)
+            plan, window = self._replayer.plan({t["name"] for t in header["tables"]}, self.path,
+                                               on_demand=replay == "on-demand") \
                 if self.journaled and rows else ({}, None)
             # When the tables of an existing pool do not all fit the DRAM budget, it is split in
             # proportion to their sizes, so every table gets a cache of the same fraction of its
@@ -232,32 +179,8 @@ class MemoryPool:
             for cfg in cfgs if rows else ():
                 share = dram_cache_bytes * cfg.nbytes // total if split else None
                 self._tables[cfg.name] = self._attach(cfg, create=False, share=share)
-            if has_runs:
-                # The runs' rows: pending until first read (on demand) or all applied below
-                # (eager); a row the journal holds is the journal's (newer). (Reading the runs'
-                # indexes on a thread of their own while the journal is read was slower: 1.2 s
-                # against 1.05 s after a power loss on `kaggle`; the journal's scan of record
-                # headers waits behind the index reads, and both halves fault in fresh memory.)
-                self._overlay = Overlay(runs_dir, read_only=read_only)
-                unsaved_resets = self._note_run_resets()
-                self._overlay.attach({n: t._region for n, t in self._tables.items()},
-                                     {n: torch.cat([ids for ids, _ in parts]) for n, parts in plan.items()})
-                if unsaved_resets and not read_only:
-                    # A crash came between a reset marker and the manifest's copy of it: the
-                    # copy now, before a compaction can drop the marker.
-                    self._overlay.save_manifest()
-            if plan and window is not None:
-                self._pending = PendingRows(plan, {n: t._region for n, t in self._tables.items()}, window,
-                                            on_apply=self._count_replayed)
-                self.stats.rows_deferred = self._pending.remaining
-            elif plan:
-                self._replay(plan)
-            if self._overlay is not None:
-                if replay == "eager":
-                    self.stats.run_rows_replayed += self._overlay.take_all()
-                else:
-                    self.stats.run_rows_deferred = self._overlay.pending_rows
-                    self.stats.rows_deferred += self._overlay.pending_rows
+            self._replayer.start(plan, window, runs_dir=runs_dir if has_runs else None, read_only=read_only,
+                                 replay=replay)
             if split:
                 self._dram_left = 0
             self.stats.open_seconds = time.perf_counter() - t_open
@@ -265,231 +188,48 @@ class MemoryPool:
             self.close()
             raise
 
-    # -- the journal: replay at open, persist, compaction (memory_pool/persistence.py)
+    # -- the journal: persist (memory_pool/persistence.py), compaction (memory_pool/compaction.py)
     def persist_rows(self, pairs) -> int:
         """Make ``[(table, ids)]`` durable now (trusted ids), in one group commit on a
         journaled tier. Returns the row bytes persisted."""
         self._check_writable()
-        self._compactor.check()  # (a failed background compaction is reported here first)
+        self._compaction.check()  # (a failed background compaction is reported here first)
         self.ready(pairs)
         return persist_rows(self.journal if self.journaled else None, pairs)
 
     def compact(self, before_seq: int | None = None, *, wait: bool = True) -> Future | None:
         """Write journal segments back into the table images and drop them: every segment
         whose records all precede ``before_seq`` (default: every complete segment). With
-        ``wait=False`` it runs on a background thread (one at a time; None if one is running)."""
+        ``wait=False`` it runs on a background thread (one at a time; None if one is running).
+        The order of a compaction: ``Compaction.compact``."""
         self._check_writable()
         if self.journal is None:
             return None
-        if before_seq is None:
-            self.journal.rotate()
-        seq = self.journal.next_seq if before_seq is None else before_seq
-
-        def absorb(refs):
-            # Most segments were written back already, one by one as they were sealed (apply):
-            # what is left of them is only made durable here. With a row overlay, the order of
-            # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
-            # then the manifest; the journal's START moves after this returns (reclaim).
-            ov = self._compaction_overlay()
-            try:
-                if ov is not None:
-                    bound = self.overlay_bound
-                    ov.begin()
-                    # (a bound of 0 empties the overlay: every page goes home)
-                    self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else DENSE_FRACTION)
-                    ov.clean(bound)
-                    self.stats.bytes_to_runs += ov.write()
-                    self._unsynced |= ov.tables_home
-                else:
-                    self._write_back(refs)
-                self._sync_images()
-                if ov is not None and ov.changed:
-                    if self._header.get("format_version") != RUNS_FORMAT_VERSION:
-                        # Before the first manifest: a dlrm-cxl that knows no runs refuses the
-                        # pool instead of reading images that no longer hold every row.
-                        self._write_header(format_version=RUNS_FORMAT_VERSION)
-                    ov.commit()
-                if ov is not None:
-                    self.stats.bytes_written_back += ov.written_home
-            except BaseException as exc:
-                if ov is not None:
-                    ov.fail(exc)
-                raise
-            # Rows replayed on demand that no step has needed yet point into segments about to
-            # be dropped (or reused): apply them now, while the write-back has their image pages
-            # in the page cache. In chunks: a step that needs rows meanwhile waits for one.
-            # (Rows pending from runs stay pending: their runs are kept, see Overlay.finish.)
-            self._apply_pending(chunk=1 << 16, runs=False)
-
-        def run():
-            t0, c0 = time.perf_counter(), time.thread_time()
-            with self._image_lock:  # (never beside a bulk load into an image: _bulk_load)
-                self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self.journaled else None)
-                if self._overlay is not None:
-                    self._overlay.finish()  # (after START moved: the cleaned runs' files go)
-                if self.journaled and self.journal.start_seq > self._applied:
-                    self._applied = self.journal.start_seq
-                    self._vouch()
-            self.stats.compactions += 1
-            self.stats.compact_seconds += time.perf_counter() - t0
-            self.stats.compact_cpu_seconds += time.thread_time() - c0
-
-        return self._compactor.run(run, wait=wait)
+        return self._compaction.compact(before_seq, wait=wait)
 
     @property
     def keeps_applied_mark(self) -> bool:
         """Opening after a crash of the trainer trusts the images' page cache (emulated pmem):
         write-back passes between compactions (:meth:`apply`) shorten its replay. Not on
         ``power-sim``, which replays everything as after a power loss."""
-        return self._mark is not None
+        return self._compaction.keeps_applied_mark
 
     def apply(self, *, min_bytes: int = 1, wait: bool = False) -> Future | None:
-        """Write the rows of the sealed journal segments not yet written back into the table
-        images, unsynced (their page cache), and move the applied mark after them: after a crash
-        of the trainer, opening the pool replays only what follows (see :class:`AppliedMark`).
-        A compaction later only makes them durable and drops the segments. Nothing to do until
-        such segments hold ``min_bytes``. One job at a time on the compactor's thread (None:
-        one is running, or there is nothing to do); journaled tiers only. The checkpointer
+        """Write the sealed journal segments not yet written back into the table images,
+        unsynced, and move the applied mark after them (``Compaction.apply``). The checkpointer
         calls this after every commit (cheap when there is nothing to do)."""
         self._check_writable()
-        if not self.journaled or self.journal.sealed_bytes(self._applied) < max(1, min_bytes):
-            return None
-        if self._overlay is not None or self.overlay_bound:
-            # (Rows written into the images' page cache reach the disk a page each: what the
-            # overlay exists to avoid; and with runs every open replays the whole journal.)
-            return None
-
-        def run():
-            t0, c0 = time.perf_counter(), time.thread_time()
-            with self._image_lock:  # (never beside a bulk load into an image: _bulk_load)
-                refs, upto = self.journal.sealed_refs(self._applied)
-                if upto is None:
-                    return
-                self._write_back(refs, coalesce=False)
-                self._applied = upto
-                self._vouch()
-            self.stats.applies += 1
-            self.stats.compact_seconds += time.perf_counter() - t0
-            self.stats.compact_cpu_seconds += time.thread_time() - c0
-
-        return self._compactor.run(run, wait=wait)
-
-    # (compactor thread only, or inline while none runs: _applied and _unsynced are its state)
-    def _write_back(self, refs, *, coalesce: bool = True, overlay: Overlay | None = None,
-                    dense: float = DENSE_FRACTION) -> None:
-        """Write the ROWS records of ``refs`` that are not written back yet into the images (with
-        an ``overlay``: all of them, which it writes home or keeps in its new run)."""
-        since = self._applied if overlay is None else 0
-        pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
-        if pending:
-            self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
-                                          overlay=overlay, dense=dense, resets=self._resets)
+        return self._compaction.apply(min_bytes=min_bytes, wait=wait)
 
     @property
     def overlay_bound(self) -> int:
         """Bytes of runs the row overlay keeps (memory_pool/overlay.py); 0: no overlay."""
-        env = env_mib("DLRM_CXL_RUNS_MB")
-        if env is not None:
-            return env
-        return DEFAULT_BOUND if self.journaled and self.used_bytes() > OVERLAY_FROM_BYTES else 0
+        return self._compaction.overlay_bound
 
-    def _compaction_overlay(self) -> Overlay | None:
-        """The overlay a compaction writes through: the pool's, or a new one when the pool
-        should have one; None when it has none and should not."""
-        if self._overlay is None and self.journaled and self._rows and self.overlay_bound:
-            ov = Overlay(self.storage_dir / RUNS_DIR, read_only=False)
-            ov.attach({n: t._region for n, t in self._tables.items()}, {})
-            self._overlay = ov
-        return self._overlay
-
-    def _sync_images(self) -> None:
-        try:
-            for name in sorted(self._unsynced):
-                self._tables[name]._region.sync()
-        except BaseException:
-            # A failed fdatasync (EIO) may leave pages clean that never reached the disk: the
-            # page cache no longer vouches for anything.
-            if self._mark is not None:
-                self._mark.remove()
-            # Nor does a retried fdatasync: Linux reports a failed write-back once, marks the
-            # pages clean (their bytes in the cache, or dropped and read back old from the disk),
-            # and the next fdatasync of the file says success without writing them. So every
-            # row written back since the last good sync -- since the journal's START, which only
-            # moves after one -- is written again by the next compaction before any sync that
-            # lets the journal go (we rewrite rather than refuse: the journal still holds every
-            # such row, so rewriting them is the replay a reopen would do). An apply() pass in
-            # between starts from START too.
-            if self.journal is not None:
-                self._applied = self.journal.start_seq
-                self._unsynced |= set(self._tables)
-            raise
-        self._unsynced.clear()
-
-    def _vouch(self) -> None:
-        if self._mark is not None:
-            self._mark.write(self._applied)
-
-    def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
-        """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair (views of
-        :meth:`gather_row_groups`' buffers)."""
-        return self.rows_per_pair(pairs, self.gather_row_groups(pairs, buffers))
-
-    @staticmethod
-    def rows_per_pair(pairs, groups) -> list[torch.Tensor]:
-        """:meth:`gather_row_groups`' groups split back into one tensor (a view) per pair."""
-        out: list = [None] * len(pairs)
-        for idx, rows in groups:
-            for i, part in zip(idx, rows.split([pairs[i][1].numel() for i in idx])):
-                out[i] = part
-        return out
-
-    def gather_row_groups(self, pairs, buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
-        """Copies of rows ``[(table, ids)]`` (trusted ids), grouped: ``[(indexes into pairs,
-        their rows concatenated in that order)]`` (see :meth:`row_gathers`)."""
-        return self.copy_row_gathers(self.row_gathers(pairs), buffers)
-
-    @staticmethod
-    def copy_row_gathers(gathers: list[RowGather], buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
-        """The rows of :meth:`row_gathers`' groups, copied: ``[(indexes into pairs, rows)]``.
-        ``buffers``: a dict the caller keeps, holding reusable buffers (the results are views of
-        them, valid until the next call with the same dict)."""
-        out: list = []
-        for g in gathers:
-            if buffers is not None and g.grouped:
-                # A caller's reusable buffer per row size: no fresh allocation (and page faults)
-                # for a few MB every step. (Only arena groups: one per row size, so one buffer.)
-                key = (g.row_bytes, g.dtype)
-                buf = buffers.get(key)
-                if buf is None or buf.shape[0] < g.rows:
-                    buf = buffers[key] = torch.empty(max(g.rows * 5 // 4, 1024), g.src.shape[1], dtype=g.dtype)
-                out.append((g.idx, g.into(buf[:g.rows])))
-            else:
-                out.append((g.idx, g.src.index_select(0, g.ids)))
-        return out
-
-    def row_gathers(self, pairs) -> list[RowGather]:
-        """How to copy rows ``[(table, ids)]`` (trusted ids), grouped: tables of the same row
-        size in the arena are one :class:`RowGather`, copied with ONE ``index_select`` over the
-        arena (the undo log and the journal gather ~50 (table, rows) pairs a step: one kernel
-        instead of 50, and one journal record per group); other tables (a row cache, an
-        unaligned offset) one each. Nothing is copied yet: a caller may copy straight to where
-        the rows go (:meth:`RowGather.into`)."""
-        self._check_open()
-        self.ready(pairs)
-        out: list = []
-        groups: dict = {}
-        for i, (t, ids) in enumerate(pairs):
-            off, rb = t.arena_offset, t.config.row_bytes
-            if off is None or t.cached or off % rb:
-                out.append(RowGather([i], t.view(), ids, False))
-            else:
-                groups.setdefault((rb, t.config.dtype), []).append(i)
-        for (rb, dt), idx in groups.items():
-            dtype = torch_dtype(dt)
-            flat = self._arena.tensor(0, self._arena.used - self._arena.used % rb, dtype).view(-1, rb // dtype.itemsize)
-            ids = torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])
-            out.append(RowGather(idx, flat, ids, True))
-        return out
+    def _runs_format(self) -> None:
+        # (a compaction, before the overlay's first manifest: see Compaction.compact)
+        if self._header.get("format_version") != RUNS_FORMAT_VERSION:
+            self._write_header(format_version=RUNS_FORMAT_VERSION)
 
     @property
     def compacting(self) -> bool:
@@ -497,12 +237,33 @@ class MemoryPool:
         see ``Compactor.check``): the checkpointer reads this after every commit, on the journal
         writer's thread, whose error reaches the trainer at its next commit -- a failure nobody
         looked at let the journal grow until the disk filled."""
-        self._compactor.check()
-        return self._compactor.running
+        self._compaction.check()
+        return self._compaction.running
 
     def wait_compaction(self) -> None:
         """Wait for a background compaction, if one is running (and raise its error)."""
-        self._compactor.wait()
+        self._compaction.wait()
+
+    # -- row gathering for the checkpointer (memory_pool/gather.py)
+    def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
+        """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair (views of
+        :meth:`gather_row_groups`' buffers)."""
+        return self.rows_per_pair(pairs, self.gather_row_groups(pairs, buffers))
+
+    rows_per_pair = staticmethod(rows_per_pair)
+    copy_row_gathers = staticmethod(copy_row_gathers)
+
+    def gather_row_groups(self, pairs, buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
+        """Copies of rows ``[(table, ids)]`` (trusted ids), grouped: ``[(indexes into pairs,
+        their rows concatenated in that order)]`` (see :meth:`row_gathers`)."""
+        return self.copy_row_gathers(self.row_gathers(pairs), buffers)
+
+    def row_gathers(self, pairs) -> list[RowGather]:
+        """How to copy rows ``[(table, ids)]`` (trusted ids), grouped (``gather.row_gathers``):
+        nothing is copied yet."""
+        self._check_open()
+        self.ready(pairs)
+        return row_gathers(self._arena, pairs)
 
     def arena_tensor(self, dtype: torch.dtype = torch.float32, *, on_demand: bool = False) -> torch.Tensor:
         """Every table of the pool as one flat tensor (no copy): table ``t`` starts at element
@@ -512,47 +273,23 @@ class MemoryPool:
         caller then calls :meth:`ready` with the rows of every batch before it reads them."""
         self._check_open()
         if not on_demand:
-            self._apply_pending()
+            self._replayer.apply_pending()
         return self._arena.flat(dtype)
 
-    # -- replay on demand (memory_pool/ondemand.py)
+    # -- replay on demand (memory_pool/replay.py, memory_pool/ondemand.py)
     @property
     def rows_pending(self) -> int:
         """Journal (and run) rows an on-demand replay has not applied to the working copy yet."""
-        p, ov = self._pending, self._overlay
-        return (p.remaining if p is not None else 0) + (ov.pending_rows if ov is not None else 0)
+        return self._replayer.rows_pending
 
     def ready(self, pairs) -> None:
         """Apply the journal's (and the runs') rows among ``[(table, ids)]`` (trusted ids) that
         an on-demand replay has not applied yet: call it before reading them through
         :meth:`arena_tensor` (``on_demand=True``). Every other row path of the pool does it itself."""
-        p = self._pending
-        if p is not None:
-            for t, ids in pairs:
-                p.take(t.name, ids)
-            self._done_if_empty(p)
-        ov = self._overlay
-        if ov is not None and ov.pending_rows:
-            for t, ids in pairs:
-                self.stats.run_rows_replayed += ov.take(t.name, ids)
+        self._replayer.ready(pairs)
 
     def _ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
-        p = self._pending
-        if p is not None:
-            p.take(name, ids)
-            self._done_if_empty(p)
-        ov = self._overlay
-        if ov is not None and ov.pending_rows:
-            self.stats.run_rows_replayed += ov.take(name, ids)
-
-    def _apply_pending(self, *, chunk: int | None = None, runs: bool = True) -> None:
-        p = self._pending
-        if p is not None:
-            p.take_all(chunk=chunk)
-            self._done_if_empty(p)
-        ov = self._overlay
-        if runs and ov is not None and ov.pending_rows:
-            self.stats.run_rows_replayed += ov.take_all()
+        self._replayer.ready_rows(name, ids)
 
     @contextlib.contextmanager
     def _bulk_load(self, name: str):
@@ -563,63 +300,14 @@ class MemoryPool:
         rows (1.0 read where 5.0 was loaded, in memory and after a reopen). One running now is
         waited for (and its error raised); one started meanwhile waits for the lock, and then
         finds the reset committed (it skips the rows older than it)."""
-        self.wait_compaction()
-        with self._image_lock:
-            self._forget_pending(name)
+        with self._compaction.images_held():
+            self._replayer.forget(name)
             yield
 
-    def _forget_pending(self, name: str) -> None:
-        # (inside _bulk_load: no compaction decides where the table's rows go meanwhile)
-        p = self._pending
-        if p is not None:
-            p.forget(name)
-            self._done_if_empty(p)
-        if self._overlay is not None:
-            self._overlay.forget(name)   # (in memory; durable in _note_reset, after the image)
-
-    def _count_replayed(self, n: int) -> None:
-        self.stats.rows_replayed += n  # (called under the PendingRows' lock: no count is lost)
-
-    def _done_if_empty(self, p: PendingRows) -> None:
-        if not p.remaining and self._pending is p:
-            self._pending = None  # (and its window, the journal's mapping, once no view is left)
-
     def _note_reset(self, name: str) -> None:
-        """Table ``name`` was loaded whole into its image, durably (``Table.load_``): on a
-        journaled tier its older journal rows and its run values stop counting -- else the next
-        open would put them back over the loaded rows. Written after the image is synced: a
-        crash before it leaves the load half done, as it would without it.
-
-        One commit point: the reset marker, a journal transaction. With runs it also names the
-        overlay's next generation (``runs_from``), so that the table's values in older runs stop
-        counting at the same commit (an open honours it, see _note_run_resets); the manifest's
-        ``reset`` written after it is its copy, which outlives the marker once a compaction has
-        dropped it. (As two durable steps, a crash between them left the old run values
-        applied over the loaded rows, silently.) A journal without a transaction holds no row
-        of the table: the manifest alone is then the commit point. Inside _bulk_load: no
-        compaction runs meanwhile (waiting for one here, under its lock, would never end)."""
-        if not self.journaled:
-            return
-        ov = self._overlay
-        if self.journal.txns:  # (a fresh journal holds no rows of it)
-            doc = {"kind": "reset", "table": name}
-            if ov is not None:
-                doc["runs_from"] = ov.next_gen
-            txn = self.journal.end(-1, doc)
-            self._resets[name] = txn.end.seq
-        if ov is not None:
-            ov.reset_table(name)
-
-    def _note_run_resets(self) -> bool:
-        """At an open with runs: the reset markers in the journal (``runs_from``, _note_reset)
-        make their table's values in older runs stop counting, whether or not the manifest says
-        so yet (a crash may have come between the two). True when the manifest did not."""
-        gens: dict[str, int] = {}
-        for txn in self.journal.txns:
-            doc = txn.doc
-            if doc.get("kind") == "reset" and isinstance(doc.get("table"), str) and isinstance(doc.get("runs_from"), int):
-                gens[doc["table"]] = max(gens.get(doc["table"], 0), doc["runs_from"])
-        return self._overlay.note_resets(gens)
+        """Table ``name`` was loaded whole into its image, durably: its reset marker
+        (``Compaction.note_reset``). Inside _bulk_load."""
+        self._compaction.note_reset(name)
 
     def _remap(self, table: "Table") -> None:
         r = table._region
@@ -767,26 +455,6 @@ class MemoryPool:
         (memory_pool/writer_lock.py)."""
         return take_lock(path, shared=shared)
 
-    def _replay(self, plan: dict[str, list]) -> None:
-        """Write the journal's committed rows into the working copy (``replay_plan``'s plan).
-        The time goes into copy-on-write faults of the private working copy, one per page a
-        journal row lands in (~480k on `kaggle`, ~2.3 us each here): tables are replayed on
-        every core, the largest first (torch releases the GIL, and faults of different tables
-        run in parallel). Nothing reads a row before open() returns."""
-        order = sorted(plan, key=lambda name: -sum(ids.numel() for ids, _ in plan[name]))
-        for name in order:  # (the image not cached: its pages asked for all at once first)
-            r = self._tables[name]._region
-            if r.nbytes:
-                self.stats.pages_prefetched += prefetch_if_cold(r.fd, r.addr, r.row_bytes, plan[name])
-        with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 8)), thread_name_prefix="journal-replay",
-                                initializer=one_intra_op_thread) as ex:  # (parallel over tables instead)
-            jobs = []
-            for name in order:
-                r = self._tables[name]._region
-                jobs.append(ex.submit(replay_rows, r.tensor.view(torch.uint8).view(r.rows, r.row_bytes), plan[name]))
-            for job in jobs:
-                self.stats.rows_replayed += job.result()
-
     def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
         tier = self.tier
         file = None if tier == "dram" else self.storage_dir / "tables" / f"{cfg.name}.bin"
@@ -878,7 +546,7 @@ class MemoryPool:
                 for t in self._tables.values()
             ],
             "meta": self.meta,
-            "overlay": self._overlay.describe() if self._overlay is not None else None,
+            "overlay": self._compaction.overlay.describe() if self._compaction.overlay is not None else None,
         }
 
     # -- changes
@@ -940,61 +608,17 @@ class MemoryPool:
             self._header = header
 
     def lookup(self, kjt, tables: Mapping[str, str] | None = None):
-        """Sum-pooled lookup of a TorchRec ``KeyedJaggedTensor``.
-
-        Each key is looked up in the table of the same name, or ``tables[key]``. Returns a
-        TorchRec ``KeyedTensor`` (like ``EmbeddingBagCollection``), one [B, dim] block per key.
-        """
-        from torchrec.sparse.jagged_tensor import KeyedTensor
-
+        """Sum-pooled lookup of a TorchRec ``KeyedJaggedTensor``: a ``KeyedTensor``, one [B, dim]
+        block per key, each key looked up in the table of the same name, or ``tables[key]``
+        (memory_pool/kjt_lookup.py)."""
         self._check_open()
-        keys = list(kjt.keys())
-        tabs = [self.table(tables.get(k, k) if tables else k) for k in keys]
-        values, lengths = kjt.values(), kjt.lengths()
-        B, K = kjt.stride(), len(keys)
-        if lengths.numel() != B * K:
-            raise InvalidIdsError(f"lookup: KeyedJaggedTensor has {lengths.numel()} lengths, expected "
-                                  f"{K} keys x batch {B}", hint="variable batch size per key is not supported")
-        # A negative length makes the offsets decrease, and torch's embedding_bag then fails with a
-        # bare RuntimeError or reads out of bounds (a segfault): refuse it first (B*K values, cheap).
-        if lengths.numel() and int(lengths.min()) < 0:
-            j = int(torch.nonzero(lengths.reshape(-1) < 0)[0])
-            raise InvalidIdsError(
-                f"lookup: KeyedJaggedTensor length {int(lengths.reshape(-1)[j])} is negative (key "
-                f"{keys[j // B]!r}, bag {j % B} of batch {B})",
-                hint="every bag's length must be >= 0; check how the KeyedJaggedTensor was built")
-        # Offsets of every bag of every key in one pass: cum[j] = start of bag j in values.
-        cum = torch.zeros(B * K + 1, dtype=torch.int64)
-        torch.cumsum(lengths.to(torch.int64), 0, out=cum[1:])
-        key_start = cum[::B] if B else torch.zeros(K + 1, dtype=torch.int64)
-        bounds = key_start.tolist()  # K + 1 entries
-        if bounds[-1] != values.numel():
-            raise InvalidIdsError(f"lookup: lengths sum to {bounds[-1]} but there are {values.numel()} values")
-        bag_starts = (cum[:-1].view(K, B) - key_start[:-1, None]) if B else torch.zeros(K, 0, dtype=torch.int64)
-        # Validate every id at once against its table's size; on failure, the per-key check
-        # names the key and the id.
-        if values.dtype not in (torch.int64, torch.int32) or values.dim() != 1:
-            raise InvalidIdsError(f"lookup: ids must be 1-D int64 or int32, got {values.dtype} {tuple(values.shape)}")
-        values = values.to(torch.int64)
-        if values.numel():
-            sizes = [t.num_embeddings for t in tabs]
-            lo, hi = torch.aminmax(values)
-            ok = int(lo) >= 0 and int(hi) < min(sizes)
-            if not ok and int(lo) >= 0 and min(sizes) != max(sizes):
-                limit = torch.repeat_interleave(torch.tensor(sizes), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1]))
-                ok = not bool((values >= limit).any())
-            if not ok:
-                for i, t in enumerate(tabs):
-                    validate_ids(values[bounds[i]:bounds[i + 1]], t.config)
-        outs = [t._pooled(values[bounds[i]:bounds[i + 1]], bag_starts[i]) for i, t in enumerate(tabs)]
-        dims = [t.embedding_dim for t in tabs]
-        return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(outs, dim=1))
+        return lookup_kjt(self.table, kjt, tables)
 
     def persist(self) -> int:
         """Make every row written since the last persist durable (per the tier's durability):
         on a journaled tier, one group commit for all tables."""
         self._check_writable()
-        self._compactor.check()  # (a failed background compaction is reported here first)
+        self._compaction.check()  # (a failed background compaction is reported here first)
         t0 = time.perf_counter()
         # (dirty until the transaction is durable: a failed persist leaves them to its retry)
         n = persist_rows(self.journal if self.journaled else None,
@@ -1020,11 +644,10 @@ class MemoryPool:
         if self._closed:
             return
         self._closed = True
-        self._compactor.shutdown()
-        self._pending = None
-        if self._overlay is not None:
-            self._overlay.close()
-            self._overlay = None
+        if self._compaction is not None:
+            self._compaction.close()  # (its thread stopped, then the overlay closed)
+        if self._replayer is not None:
+            self._replayer.close()
         if self.journal is not None:
             self.journal.close()
         for t in self._tables.values():

@@ -717,7 +717,7 @@ def test_the_background_threads_run_torch_ops_on_one_thread_each_and_leave_the_d
         ck = UndoLogCheckpointer(pool, Dense())
         assert ck._writer.submit(torch.get_num_threads).result() == 1
         assert in_a_new_thread(torch.get_num_threads) == 2
-        assert pool._compactor.run(torch.get_num_threads, wait=False).result() == 1
+        assert pool._compaction.run(torch.get_num_threads, wait=False).result() == 1
         assert in_a_new_thread(torch.get_num_threads) == 2
         ck.close()
         pool.close()

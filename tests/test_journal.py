@@ -592,7 +592,7 @@ def die_after(cls, name, n=1):
 
 g = torch.Generator().manual_seed(7)
 if phase == "replay":
-    import memory_pool.pool as P
+    import memory_pool.replay as P
     die_after(P, "replay_rows")  # one table replayed into the working copy, the next not
     MemoryPool.open(path)
     raise SystemExit("not killed")

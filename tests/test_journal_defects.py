@@ -373,7 +373,7 @@ def test_more_compactions_than_run_slots_keep_every_row(tmp_pool_dir, monkeypatc
         _compact_sparse(pool, t, ref, i)
         if i >= MAX_RUNS - 1:
             # at the slot limit: every run slot held, the pool unchanged (the rows as written)
-            assert pool.describe()["overlay"]["runs"] == MAX_RUNS and pool._overlay.broken is None
+            assert pool.describe()["overlay"]["runs"] == MAX_RUNS and pool._compaction.overlay.broken is None
             assert torch.equal(t.view(), ref)
     assert pool.stats.compactions == MAX_RUNS + 14
     pool.close()

@@ -262,7 +262,7 @@ with MemoryPool.open(path) as pool:
     if phase == "run-written":
         die_after(O, "write_run")
     elif phase == "images-synced":
-        die_after(pool, "_sync_images")
+        die_after(pool._compaction, "_sync_images")
     elif phase == "manifest":
         die_after(O.Overlay, "commit")
     elif phase == "start-moved":

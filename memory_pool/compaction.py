@@ -1,0 +1,304 @@
+"""Compaction: the journal's committed rows written back into the table images, made durable,
+and the journal's segments dropped -- one object, :class:`Compaction`, that owns its state.
+
+Its state: how far the images' page cache is up to date (the applied position, and the applied
+mark that vouches for it on emulated pmem: :class:`~memory_pool.persistence.AppliedMark`), the
+tables written back since their last fdatasync, the reset markers of bulk loads, the row overlay
+(memory_pool/overlay.py) and the lock a bulk load into an image holds. Its jobs run one at a
+time on the compactor's thread (:class:`~memory_pool.persistence.Compactor`), or inline.
+
+The order of a compaction (:meth:`Compaction.compact`), SQLite's rule: the commit marker last,
+and durably:
+
+1. write-back: the ROWS of the window's records, newest value per row, into the images (with a
+   row overlay: the dense pages home, the other rows into its new run);
+2. sync: the images written since their last good fdatasync, fdatasync'ed (and the new run);
+3. run and manifest: with an overlay, the manifest names the new run (the pool's header says
+   format version 3 before the first one);
+4. START: the journal's START moves past the window (``Journal.reclaim``), and the rows an
+   on-demand replay has not applied yet are applied first, while their segments still exist;
+5. unlink: the window's segments and the cleaned runs' files go.
+
+Between compactions, :meth:`Compaction.apply` writes the sealed segments back as they are sealed,
+unsynced, and moves the applied mark after them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+from .journal import Journal, RecordType
+from .overlay import DEFAULT_BOUND, DENSE_FRACTION, RUNS_DIR, Overlay
+from .persistence import AppliedMark, Compactor, absorb_rows, table_resets
+from .table import PoolStats, Table
+from .validation import env_mib
+
+__all__ = ["Compaction", "OVERLAY_FROM_BYTES"]
+
+# A journaled pool whose tables hold more than this keeps a row overlay (memory_pool/overlay.py)
+# of DEFAULT_BOUND bytes: there most rows a compaction writes back are alone in their page
+# (`kaggle`); below it most pages a compaction writes are dense anyway (`small`: WA 1.18 in
+# place). DLRM_CXL_RUNS_MB overrides the bound (0: none; a pool that has runs then writes them
+# all home at its next compaction).
+OVERLAY_FROM_BYTES = 2 << 30
+
+
+class Compaction:
+    """A pool's compactions and write-back passes, and the state they keep (see the module).
+
+    ``tables``: the pool's tables by name (the pool's own dict: tables created later are in it);
+    ``mark``: the applied mark (emulated pmem), or None; ``has_runs``: the pool has a row
+    overlay's manifest (then every journal row is replayed at the open); ``table_names``: the
+    tables of the header; ``apply_pending(chunk=, runs=)``: apply the rows an on-demand replay
+    has not applied yet (memory_pool/replay.py); ``runs_format()``: write format version 3 into
+    the pool's header unless it says so already."""
+
+    def __init__(self, journal: Journal, tables: dict[str, Table], stats: PoolStats, *, storage_dir: Path,
+                 journaled: bool, rows: bool, mark: AppliedMark | None, has_runs: bool, table_names: list[str],
+                 apply_pending: Callable[..., None], runs_format: Callable[[], None]):
+        self.journal = journal
+        self._tables = tables
+        self.stats = stats
+        self._storage_dir = storage_dir
+        self._journaled = journaled
+        self._rows = rows
+        self._apply_pending = apply_pending
+        self._runs_format = runs_format
+        self.overlay: Overlay | None = None   # the row overlay's runs (the replay at open attaches it)
+        # Held by a compaction or a write-back pass for as long as it runs (on the compactor's
+        # thread, or inline), and by a bulk load (Table.load_, fill_) from before it forgets the
+        # table's pending rows until its reset is committed: see images_held.
+        self._image_lock = threading.RLock()
+        self._compactor = Compactor()
+        self._mark = mark
+        # (With runs, every journal row is replayed: a row below the mark that the images'
+        # page cache holds may have an older value in a run, which would win over the image.)
+        self.since = 0 if has_runs else ((self._mark.read() if self._mark is not None else None) or 0)
+        # Every ROWS record below this is in the images' page cache (a compaction, or an
+        # apply, wrote it there); those above are only in the journal (and this process).
+        self._applied = max(self.since, journal.start_seq)
+        self._unsynced: set[str] = set()   # tables written back since their last fdatasync
+        if self.since > journal.start_seq:
+            # Trusting the mark means trusting rows that an earlier process wrote into the
+            # images' page cache and never synced: the next compaction, which drops their
+            # journal records, must fdatasync those images too, not only the ones it writes.
+            self._unsynced = set(table_names)
+        # The journal's reset markers (bulk loads): a table's older rows no longer count.
+        self.resets = table_resets(journal) if journaled else {}
+
+    # -- the compactor's thread
+    @property
+    def running(self) -> bool:
+        return self._compactor.running
+
+    def check(self) -> None:
+        """Raise the error of a background job that failed, once (``Compactor.check``)."""
+        self._compactor.check()
+
+    def wait(self) -> None:
+        """Wait for a background compaction, if one is running (and raise its error)."""
+        self._compactor.wait()
+
+    def run(self, fn: Callable[[], None], *, wait: bool) -> Future | None:
+        """Run ``fn`` on the compactor (``Compactor.run``)."""
+        return self._compactor.run(fn, wait=wait)
+
+    def close(self) -> None:
+        """Wait for a running job and stop the thread; close the overlay."""
+        self._compactor.shutdown()
+        if self.overlay is not None:
+            self.overlay.close()
+            self.overlay = None
+
+    # -- compaction
+    def compact(self, before_seq: int | None = None, *, wait: bool = True) -> Future | None:
+        """Write journal segments back into the table images and drop them: every segment
+        whose records all precede ``before_seq`` (default: every complete segment). With
+        ``wait=False`` it runs on a background thread (one at a time; None if one is running)."""
+        if before_seq is None:
+            self.journal.rotate()
+        seq = self.journal.next_seq if before_seq is None else before_seq
+
+        def absorb(refs):
+            # Most segments were written back already, one by one as they were sealed (apply):
+            # what is left of them is only made durable here. With a row overlay, the order of
+            # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
+            # then the manifest; the journal's START moves after this returns (reclaim).
+            ov = self._compaction_overlay()
+            try:
+                if ov is not None:
+                    bound = self.overlay_bound
+                    ov.begin()
+                    # (a bound of 0 empties the overlay: every page goes home)
+                    self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else DENSE_FRACTION)
+                    ov.clean(bound)
+                    self.stats.bytes_to_runs += ov.write()
+                    self._unsynced |= ov.tables_home
+                else:
+                    self._write_back(refs)
+                self._sync_images()
+                if ov is not None and ov.changed:
+                    # Before the first manifest: a dlrm-cxl that knows no runs refuses the
+                    # pool instead of reading images that no longer hold every row.
+                    self._runs_format()
+                    ov.commit()
+                if ov is not None:
+                    self.stats.bytes_written_back += ov.written_home
+            except BaseException as exc:
+                if ov is not None:
+                    ov.fail(exc)
+                raise
+            # Rows replayed on demand that no step has needed yet point into segments about to
+            # be dropped (or reused): apply them now, while the write-back has their image pages
+            # in the page cache. In chunks: a step that needs rows meanwhile waits for one.
+            # (Rows pending from runs stay pending: their runs are kept, see Overlay.finish.)
+            self._apply_pending(chunk=1 << 16, runs=False)
+
+        def run():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            with self._image_lock:  # (never beside a bulk load into an image: images_held)
+                self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self._journaled else None)
+                if self.overlay is not None:
+                    self.overlay.finish()  # (after START moved: the cleaned runs' files go)
+                if self._journaled and self.journal.start_seq > self._applied:
+                    self._applied = self.journal.start_seq
+                    self._vouch()
+            self.stats.compactions += 1
+            self.stats.compact_seconds += time.perf_counter() - t0
+            self.stats.compact_cpu_seconds += time.thread_time() - c0
+
+        return self._compactor.run(run, wait=wait)
+
+    @property
+    def keeps_applied_mark(self) -> bool:
+        """Opening after a crash of the trainer trusts the images' page cache (emulated pmem):
+        write-back passes between compactions (:meth:`apply`) shorten its replay. Not on
+        ``power-sim``, which replays everything as after a power loss."""
+        return self._mark is not None
+
+    def apply(self, *, min_bytes: int = 1, wait: bool = False) -> Future | None:
+        """Write the rows of the sealed journal segments not yet written back into the table
+        images, unsynced (their page cache), and move the applied mark after them: after a crash
+        of the trainer, opening the pool replays only what follows (see :class:`AppliedMark`).
+        A compaction later only makes them durable and drops the segments. Nothing to do until
+        such segments hold ``min_bytes``. One job at a time on the compactor's thread (None:
+        one is running, or there is nothing to do); journaled tiers only."""
+        if not self._journaled or self.journal.sealed_bytes(self._applied) < max(1, min_bytes):
+            return None
+        if self.overlay is not None or self.overlay_bound:
+            # (Rows written into the images' page cache reach the disk a page each: what the
+            # overlay exists to avoid; and with runs every open replays the whole journal.)
+            return None
+
+        def run():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            with self._image_lock:  # (never beside a bulk load into an image: images_held)
+                refs, upto = self.journal.sealed_refs(self._applied)
+                if upto is None:
+                    return
+                self._write_back(refs, coalesce=False)
+                self._applied = upto
+                self._vouch()
+            self.stats.applies += 1
+            self.stats.compact_seconds += time.perf_counter() - t0
+            self.stats.compact_cpu_seconds += time.thread_time() - c0
+
+        return self._compactor.run(run, wait=wait)
+
+    # (compactor thread only, or inline while none runs: _applied and _unsynced are its state)
+    def _write_back(self, refs, *, coalesce: bool = True, overlay: Overlay | None = None,
+                    dense: float = DENSE_FRACTION) -> None:
+        """Write the ROWS records of ``refs`` that are not written back yet into the images (with
+        an ``overlay``: all of them, which it writes home or keeps in its new run)."""
+        since = self._applied if overlay is None else 0
+        pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
+        if pending:
+            self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
+                                          overlay=overlay, dense=dense, resets=self.resets)
+
+    @property
+    def overlay_bound(self) -> int:
+        """Bytes of runs the row overlay keeps (memory_pool/overlay.py); 0: no overlay."""
+        env = env_mib("DLRM_CXL_RUNS_MB")
+        if env is not None:
+            return env
+        used = sum(t.config.nbytes for t in self._tables.values())
+        return DEFAULT_BOUND if self._journaled and used > OVERLAY_FROM_BYTES else 0
+
+    def _compaction_overlay(self) -> Overlay | None:
+        """The overlay a compaction writes through: the pool's, or a new one when the pool
+        should have one; None when it has none and should not."""
+        if self.overlay is None and self._journaled and self._rows and self.overlay_bound:
+            ov = Overlay(self._storage_dir / RUNS_DIR, read_only=False)
+            ov.attach({n: t._region for n, t in self._tables.items()}, {})
+            self.overlay = ov
+        return self.overlay
+
+    def _sync_images(self) -> None:
+        try:
+            for name in sorted(self._unsynced):
+                self._tables[name]._region.sync()
+        except BaseException:
+            # A failed fdatasync (EIO) may leave pages clean that never reached the disk: the
+            # page cache no longer vouches for anything.
+            if self._mark is not None:
+                self._mark.remove()
+            # Nor does a retried fdatasync: Linux reports a failed write-back once, marks the
+            # pages clean (their bytes in the cache, or dropped and read back old from the disk),
+            # and the next fdatasync of the file says success without writing them. So every
+            # row written back since the last good sync -- since the journal's START, which only
+            # moves after one -- is written again by the next compaction before any sync that
+            # lets the journal go (we rewrite rather than refuse: the journal still holds every
+            # such row, so rewriting them is the replay a reopen would do). An apply() pass in
+            # between starts from START too.
+            if self.journal is not None:
+                self._applied = self.journal.start_seq
+                self._unsynced |= set(self._tables)
+            raise
+        self._unsynced.clear()
+
+    def _vouch(self) -> None:
+        if self._mark is not None:
+            self._mark.write(self._applied)
+
+    # -- bulk loads (Table.load_, fill_)
+    @contextlib.contextmanager
+    def images_held(self):
+        """Around a bulk load into an image: no compaction and no write-back pass runs. One
+        running now is waited for (and its error raised); one started meanwhile waits for the
+        lock."""
+        self.wait()
+        with self._image_lock:
+            yield
+
+    def note_reset(self, name: str) -> None:
+        """Table ``name`` was loaded whole into its image, durably (``Table.load_``): on a
+        journaled tier its older journal rows and its run values stop counting -- else the next
+        open would put them back over the loaded rows. Written after the image is synced: a
+        crash before it leaves the load half done, as it would without it.
+
+        One commit point: the reset marker, a journal transaction. With runs it also names the
+        overlay's next generation (``runs_from``), so that the table's values in older runs stop
+        counting at the same commit (an open honours it, see ``Replayer._note_run_resets``); the
+        manifest's ``reset`` written after it is its copy, which outlives the marker once a
+        compaction has dropped it. (As two durable steps, a crash between them left the old run
+        values applied over the loaded rows, silently.) A journal without a transaction holds no
+        row of the table: the manifest alone is then the commit point. Inside
+        :meth:`images_held`: no compaction runs meanwhile (waiting for one here, under its lock,
+        would never end)."""
+        if not self._journaled:
+            return
+        ov = self.overlay
+        if self.journal.txns:  # (a fresh journal holds no rows of it)
+            doc = {"kind": "reset", "table": name}
+            if ov is not None:
+                doc["runs_from"] = ov.next_gen
+            txn = self.journal.end(-1, doc)
+            self.resets[name] = txn.end.seq
+        if ov is not None:
+            ov.reset_table(name)

@@ -1,0 +1,95 @@
+"""Row gathering for the checkpointer: copies of the rows ``[(table, ids)]`` a step touches,
+grouped so that the tables of one row size in the pool's arena are copied with one
+``index_select`` (the undo log and the journal gather ~50 (table, rows) pairs a step). The pool's
+methods of the same names (``MemoryPool.row_gathers``, ``gather_row_groups``, ``gather_rows``,
+``copy_row_gathers``, ``rows_per_pair``) apply the rows an on-demand replay has not applied yet
+first, then call these.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .arena import Arena
+from .tiers import torch_dtype
+
+__all__ = ["RowGather", "row_gathers", "copy_row_gathers", "rows_per_pair"]
+
+
+class RowGather(NamedTuple):
+    """One group of :meth:`MemoryPool.row_gathers`: rows ``ids`` of ``src`` (a 2-D view of the
+    arena or of one table), which are the rows of the pairs at indexes ``idx``, in that order."""
+
+    idx: list[int]
+    src: torch.Tensor
+    ids: torch.Tensor
+    grouped: bool  # a view of the arena shared by several pairs (else one table's own view)
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.src.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.src.shape[1] * self.src.element_size()
+
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the rows into ``out`` (``[rows, src columns]``, ``src``'s dtype); returns it."""
+        return torch.index_select(self.src, 0, self.ids, out=out)
+
+
+def rows_per_pair(pairs, groups) -> list[torch.Tensor]:
+    """:meth:`MemoryPool.gather_row_groups`' groups split back into one tensor (a view) per pair."""
+    out: list = [None] * len(pairs)
+    for idx, rows in groups:
+        for i, part in zip(idx, rows.split([pairs[i][1].numel() for i in idx])):
+            out[i] = part
+    return out
+
+
+def copy_row_gathers(gathers: list[RowGather], buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
+    """The rows of :func:`row_gathers`' groups, copied: ``[(indexes into pairs, rows)]``.
+    ``buffers``: a dict the caller keeps, holding reusable buffers (the results are views of
+    them, valid until the next call with the same dict)."""
+    out: list = []
+    for g in gathers:
+        if buffers is not None and g.grouped:
+            # A caller's reusable buffer per row size: no fresh allocation (and page faults)
+            # for a few MB every step. (Only arena groups: one per row size, so one buffer.)
+            key = (g.row_bytes, g.dtype)
+            buf = buffers.get(key)
+            if buf is None or buf.shape[0] < g.rows:
+                buf = buffers[key] = torch.empty(max(g.rows * 5 // 4, 1024), g.src.shape[1], dtype=g.dtype)
+            out.append((g.idx, g.into(buf[:g.rows])))
+        else:
+            out.append((g.idx, g.src.index_select(0, g.ids)))
+    return out
+
+
+def row_gathers(arena: Arena, pairs) -> list[RowGather]:
+    """How to copy rows ``[(table, ids)]`` (trusted ids, already applied to the working copy),
+    grouped: tables of the same row size in ``arena`` are one :class:`RowGather`, copied with
+    ONE ``index_select`` over the arena (the undo log and the journal gather ~50 (table, rows)
+    pairs a step: one kernel instead of 50, and one journal record per group); other tables (a
+    row cache, an unaligned offset) one each. Nothing is copied yet: a caller may copy straight
+    to where the rows go (:meth:`RowGather.into`)."""
+    out: list = []
+    groups: dict = {}
+    for i, (t, ids) in enumerate(pairs):
+        off, rb = t.arena_offset, t.config.row_bytes
+        if off is None or t.cached or off % rb:
+            out.append(RowGather([i], t.view(), ids, False))
+        else:
+            groups.setdefault((rb, t.config.dtype), []).append(i)
+    for (rb, dt), idx in groups.items():
+        dtype = torch_dtype(dt)
+        flat = arena.tensor(0, arena.used - arena.used % rb, dtype).view(-1, rb // dtype.itemsize)
+        ids = torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])
+        out.append(RowGather(idx, flat, ids, True))
+    return out
