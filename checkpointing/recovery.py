@@ -30,8 +30,8 @@ import torch
 
 from memory_pool import MemoryPool, fileio
 from memory_pool.errors import PoolCorruptError, PoolFormatError, RecoveryError
-from memory_pool.journal import RecordType, decode_row_set, encode_rows
-from memory_pool.records import decode_logged_mark, undo_group_of
+from memory_pool.records import decode_logged_mark, decode_row_set, encode_rows, undo_group_of
+from memory_pool.segment_format import RecordType
 
 from .crash import CrashPlan
 from .digest import state_digest

@@ -78,8 +78,8 @@ import torch
 from memory_pool import MemoryPool
 from memory_pool import fileio
 from memory_pool.durable import atomic_write, fsync_dir
-from memory_pool.journal import Fill, RecordType, encode_row_set, encode_rows
-from memory_pool.records import encode_logged_mark
+from memory_pool.records import Fill, encode_logged_mark, encode_row_set, encode_rows
+from memory_pool.segment_format import RecordType
 from memory_pool.threads import one_intra_op_thread
 from memory_pool.validation import env_mib
 

@@ -7,16 +7,9 @@ N bytes (plus a 40-byte header) to a sequential file, and one ``fdatasync`` make
 of records durable (group commit). A compactor later writes the rows back into the table image
 files, sorted and coalesced, and drops the segments it has absorbed.
 
-Layout of ``<dir>/``::
-
-    seg-<first seq, 16 hex digits>.log   segments, appended to; a new one is started after a
-                                         transaction end once the current one is large
-    START                                first live sequence number (written before segments are
-                                         dropped, so a missing *first* segment is detected too)
-    free-<hex>.log                       reclaimed segments kept for reuse (never read)
-    COMMITTED                            the committed mark: a transaction known durable
-
-Segment: a 64-byte header (magic ``DCXJSEG1``, version, first seq, flags, crc32c), then records.
+The on-media format (the directory's files, segment and record headers, record types):
+:mod:`memory_pool.segment_format`. The scan at open and reading records back:
+:mod:`memory_pool.journal_reader` (:class:`Journal` is a :class:`JournalReader`).
 
 Recycling (after PostgreSQL's WAL segments). A reclaimed segment is not deleted but renamed to
 ``free-*`` and later reused as a new segment: its new header is written and made durable *first*,
@@ -27,9 +20,6 @@ allocated and ``fdatasync`` has no file-size metadata to commit. The bytes after
 records of a recycled segment are records of its previous life: every one has a sequence number
 below the segment's first, so the scan stops at them exactly as at the end of a fresh segment;
 they are stale, not torn (the ``RECYCLED`` flag in the header says so), and are never read.
-Record: a 40-byte header (magic ``DCXR``, type, seq, tag, payload length, crc32c of the payload,
-crc32c of the header) and the payload. Sequence numbers increase by one across segments, so a
-deleted or missing segment is a gap that the scan reports as damage, never skips.
 
 Transactions. Records between two ``END`` records form a transaction; ``END`` carries a tag (the
 training step) and a small JSON document. :meth:`Journal.end` is the commit, after SQLite's
@@ -42,12 +32,6 @@ atomic-commit rule: the transaction's records are made durable *first* (``fdatas
 * records after the newest ``END`` belong to an unfinished transaction. They may be torn in any
   order (pages reach the disk in any order before a sync): the **torn tail** is ignored and, by a
   writer, truncated away before anything new is appended.
-
-Who uses which record types: the pool appends ``ROWS`` (after-images of rows: what persisting
-them means on a journaled tier) and replays the ``ROWS`` of complete transactions when it opens;
-the checkpointer adds ``UNDO`` (before-images) and ``DENSE`` (the dense state) records and ends
-each step's transaction with its commit document. ``ROWS`` and ``UNDO`` share one payload layout
-(a row set, :mod:`memory_pool.records`).
 
 Mapped segments (``mapped=True``: a journal in RAM, on tmpfs, the shm tier). ``pwrite`` into
 tmpfs costs a kernel copy and a page-cache lookup per page (1.8 ms for 8 MB over a 64 MiB segment
@@ -112,8 +96,6 @@ compactor) may run on another thread; both take the journal's lock around segmen
 
 from __future__ import annotations
 
-import ctypes
-import enum
 import errno
 import fcntl
 import json
@@ -124,83 +106,29 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from .arena import Arena, page_round
 from . import fileio
 from .durable import atomic_write, fsync_dir, pwrite_all, raise_if_full
 from .records import (Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, encode_row_set,  # noqa: F401
                       encode_rows, part_bytes)
-from .errors import NeedsRecoveryError, PoolCorruptError, PoolReadOnlyError
+from .errors import NeedsRecoveryError, PoolReadOnlyError
+from .journal_reader import JournalReader, window_bytes
+from .segment_format import (BLOCK, MARK, MARK_MAGIC, MARK_REC, REC, SEG, SEG_RECYCLED, JournalCorruptError,
+                             RecordRef, RecordType, TxnInfo, _iter_refs, _rec_header, _seg_header, _seg_name,
+                             _Segment)
 
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "Fill", "encode_rows",
-           "encode_row_set", "decode_rows", "decode_row_set", "crc32c"]
+           "encode_row_set", "decode_rows", "decode_row_set", "crc32c", "window_bytes"]
 
-SEG_MAGIC = b"DCXJSEG1"
-SEG = struct.Struct("<8sIQI36xI")         # magic, version, first seq, flags, pad, crc32c (64 bytes)
-SEG_RECYCLED = 1                          # flags: the bytes after the valid records are stale
-                                          # (a recycled segment, or a mapped one sized up front)
 KEEP_FREE = 16                            # reclaimed segments kept for reuse (16 x (64 + 32) MiB at most)
 MAP_CHUNK = 8 << 20                       # mapped segments: allocated and faulted in this much at a time
 MAP_SLACK = 32 << 20                      # mapped segments are sized this much past segment_bytes: the
                                           # transaction that crosses it fits without a new mapping
 MADV_POPULATE_WRITE = 23                  # Linux >= 5.14 (not in Python's mmap module before 3.13)
-BLOCK = 4096                              # direct writes: offsets, lengths and buffers aligned to this
-REC_MAGIC = b"DCXR"
-REC = struct.Struct("<4sB3xQqQII")        # magic, type, seq, tag, length, payload crc, header crc (40)
-VERSION = 1
-MARK = "COMMITTED"                        # the committed mark (see "Committed mark" above)
-MARK_MAGIC = b"DCXJMRK1"
-MARK_REC = struct.Struct("<8sQqI")        # magic, seq of a durable END, its tag, crc32c (28 bytes)
 MARK_EVERY = 1 << 20                      # the mark moves after this many bytes of appends
-
-
-class RecordType(enum.IntEnum):
-    ROWS = 1    # after-images of rows (the pool's persist on a journaled tier)
-    END = 2     # transaction end: tag + JSON document
-    UNDO = 3    # before-images of rows (the checkpointer's undo log)
-    DENSE = 4   # the dense state of a step (the checkpointer's recovery point)
-    LOGGED = 5  # a step's undo records are durable; its rows may change from here on (checkpointing.undo)
-
-
-class JournalCorruptError(PoolCorruptError):
-    """A journal record or segment before the newest transaction end is damaged or missing."""
-
-    exit_code = 4
-    default_hint = "the pool's journal is damaged; restore the pool from a copy (nothing was changed)"
-
-
-@dataclass(frozen=True)
-class RecordRef:
-    """Where a record lives; read its payload with :meth:`Journal.read`."""
-
-    segment: Path
-    offset: int          # of the record header
-    type: int
-    seq: int
-    tag: int
-    length: int
-    crc: int
-
-    @property
-    def payload_offset(self) -> int:
-        return self.offset + REC.size
-
-
-@dataclass
-class TxnInfo:
-    """A complete transaction: its records and its END record's tag and document."""
-
-    tag: int
-    doc: dict
-    records: list[RecordRef]
-    end: RecordRef
-
-    @property
-    def first_seq(self) -> int:
-        return self.records[0].seq if self.records else self.end.seq
 
 
 @dataclass
@@ -214,43 +142,10 @@ class _Mapping:
     ready: int = 0
 
 
-@dataclass
-class _Segment:
-    path: Path
-    first_seq: int
-    size: int = 0
-    last_seq: int = -1     # of its last valid record (-1: none)
-    stale_after: bool = False   # RECYCLED flag: bytes after the valid records are not the log's
-
-
-def _seg_name(first_seq: int) -> str:
-    return f"seg-{first_seq:016x}.log"
-
-
-def _seg_header(first_seq: int, flags: int = 0) -> bytes:
-    body = SEG.pack(SEG_MAGIC, VERSION, first_seq, flags, 0)[:-4]
-    return body + struct.pack("<I", crc32c_extend(0, body))
-
-
-def _rec_header(rtype: int, seq: int, tag: int, length: int, pcrc: int) -> bytes:
-    body = REC.pack(REC_MAGIC, rtype, seq, tag, length, pcrc, 0)[:-4]
-    return body + struct.pack("<I", crc32c_extend(0, body))
-
-
-def _parse_header(raw: bytes):
-    """(type, seq, tag, length, payload crc) or None when it is not a valid record header."""
-    if len(raw) < REC.size or raw[:4] != REC_MAGIC:
-        return None
-    magic, rtype, seq, tag, length, pcrc, hcrc = REC.unpack_from(raw)
-    if crc32c_extend(0, bytes(raw[:REC.size - 4])) != hcrc:
-        return None
-    return rtype, seq, tag, length, pcrc
-
-
 # --------------------------------------------------------------------------- the journal
 
 
-class Journal:
+class Journal(JournalReader):
     """See the module docstring. Open with ``Journal(dir, sync=..., mapped=..., direct=..., read_only=...)``:
     the constructor scans (and verifies the structure of) everything already there."""
 
@@ -291,257 +186,6 @@ class Journal:
                 if attempt == 4 or not read_only:
                     raise
                 time.sleep(0.02 * (attempt + 1))
-
-    # -- scanning
-    def _start_seq(self) -> int:
-        try:
-            return int((self.dir / "START").read_text().strip() or 0)
-        except FileNotFoundError:
-            return 0
-        except ValueError:
-            raise JournalCorruptError(f"{self.dir / 'START'} is damaged") from None
-
-    def _scan(self) -> None:
-        segs: list[_Segment] = []
-        self._stray: Path | None = None   # an empty last segment, removed by the first append
-        mark = self._read_mark()   # (before START and the segments: see "Committed mark")
-        start = self._start_seq()
-        paths = sorted(self.dir.glob("seg-*.log")) if self.dir.is_dir() else []
-        for p in paths:
-            try:
-                first = int(p.stem[4:], 16)
-            except ValueError:
-                continue
-            if first < start:
-                # Absorbed by a compaction that was interrupted after START was written: dead.
-                if not self.read_only:
-                    fileio.unlink(p)
-                continue
-            segs.append(_Segment(p, first, p.stat().st_size))
-        self._free = sorted(self.dir.glob("free-*.log")) if self.dir.is_dir() else []
-        self.txns: list[TxnInfo] = []
-        self.tail: list[RecordRef] = []       # valid records after the newest END
-        self.tail_damage: str | None = None   # a bad record in the tail with valid records after it
-        # The valid records after the tail's first bad one: whether that one is torn or damaged
-        # is for the tail's writer to say (the checkpointer's logged mark, checkpointing.recovery).
-        self.tail_beyond: list[RecordRef] = []
-        self.torn_bytes = 0                   # bytes of the torn tail (ignored)
-        expect = start
-        if segs and segs[0].first_seq != start:
-            raise JournalCorruptError(f"journal {self.dir}: segment with sequence {start} is missing "
-                                      f"(first is {segs[0].path.name})")
-        pending: list[RecordRef] = []
-        bad: tuple[_Segment, int, str] | None = None
-        recycled = False
-        for i, seg in enumerate(segs):
-            if seg.first_seq != expect:
-                raise JournalCorruptError(f"journal {self.dir}: records {expect}..{seg.first_seq - 1} are missing "
-                                          f"(a segment before {seg.path.name} was deleted)")
-            with open(seg.path, "rb") as f:
-                # Only the record headers are read here: no read-ahead of the payloads around
-                # them (after a crash a direct-written journal is not cached: read-ahead would
-                # read all of it from the disk, dense states included, to find ~40 bytes a record).
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-                head = f.read(SEG.size)
-                ok = len(head) == SEG.size and head[:8] == SEG_MAGIC and \
-                    crc32c_extend(0, head[:-4]) == struct.unpack_from("<I", head, SEG.size - 4)[0] and \
-                    SEG.unpack(head)[2] == seg.first_seq
-                if not ok:
-                    if i == len(segs) - 1 and not pending and seg.size == 0:
-                        # Created, killed before its header was written: it holds nothing, not
-                        # even a torn byte. Left as it is until the first append removes it (an
-                        # open that then refuses the pool changes nothing).
-                        segs.pop()
-                        self._stray = seg.path
-                        break
-                    if i == len(segs) - 1 and ((not pending and seg.size <= SEG.size) or not any(head)):
-                        # Created, header not yet durable: torn, not damage. A header that reads
-                        # as zeros never reached the disk (a power loss that kept some later
-                        # blocks of the file, not its first); no END after it was ever durable,
-                        # since a segment's header is written before its records and every sync
-                        # of the file covers it (a recycled one's is synced before its rename).
-                        # A header with a flipped bit is damage.
-                        bad = (seg, 0, "segment header torn")
-                        break
-                    raise JournalCorruptError(f"journal segment {seg.path.name}: header damaged")
-                recycled = seg.stale_after = bool(SEG.unpack(head)[3] & SEG_RECYCLED)
-                off = SEG.size
-                while off < seg.size:
-                    f.seek(off)
-                    h = _parse_header(f.read(REC.size))
-                    if h is None or h[1] != expect or off + REC.size + h[3] > seg.size:
-                        bad = (seg, off, "bad header" if h is None or h[1] != expect else "truncated")
-                        break
-                    rtype, seq, tag, length, pcrc = h
-                    ref = RecordRef(seg.path, off, rtype, seq, tag, length, pcrc)
-                    if rtype == RecordType.END:
-                        payload = f.read(length)
-                        if crc32c_extend(0, payload) != pcrc:
-                            bad = (seg, off, "END fails its checksum")
-                            break
-                        self.txns.append(TxnInfo(tag, json.loads(payload), pending, ref))
-                        pending = []
-                    else:
-                        pending.append(ref)
-                    seg.last_seq = seq
-                    expect = seq + 1
-                    off += REC.size + length
-                seg.size = off if bad is None or bad[0] is not seg else bad[1]
-            if bad is not None and recycled and bad[2] == "bad header" and i != len(segs) - 1:
-                # A sealed recycled segment ends where its stale bytes begin; whether records
-                # are missing shows at the next segment, whose first sequence must follow on.
-                bad = None
-                continue
-            if bad is not None:
-                if i != len(segs) - 1:
-                    # A new segment is started only after an END: damage before a durable END.
-                    raise JournalCorruptError(f"journal segment {bad[0].path.name} at byte {bad[1]}: {bad[2]} "
-                                              f"(later segments exist)")
-                break
-        if bad is not None:
-            seg, off, why = bad
-            later = self._valid_after(seg, off, expect)
-            if any(r.type == RecordType.END for r in later):
-                raise JournalCorruptError(f"journal segment {seg.path.name} at byte {off}: {why}, before a durable "
-                                          f"transaction end (record {later[-1].seq})")
-            if later:
-                self.tail_damage = (f"journal segment {seg.path.name} at byte {off}: {why}, with "
-                                    f"{len(later)} valid records after it")
-            self.tail_beyond = later
-            # A recycled segment's bytes after its valid records are its previous life (stale,
-            # never read, overwritten by the next append), not a torn write.
-            self.torn_bytes = 0 if recycled and why == "bad header" else seg.path.stat().st_size - off
-        # Tail records were not vouched for by an END: check their payloads now; the first bad
-        # one ends the valid tail.
-        for k, ref in enumerate(pending):
-            if crc32c([self._pread(ref)]) != ref.crc:
-                if k + 1 < len(pending):
-                    self.tail_damage = f"journal record {ref.seq} fails its checksum, with valid records after it"
-                self.tail_beyond = [r for r in pending[k + 1:] if crc32c([self._pread(r)]) == r.crc] + self.tail_beyond
-                pending = pending[:k]
-                seg = next(s for s in segs if s.path == ref.segment)
-                self.torn_bytes += seg.size - ref.offset
-                seg.size = ref.offset
-                break
-        newest = self.txns[-1].end.seq if self.txns else start - 1
-        if mark is not None and start <= mark[0] and newest < mark[0]:
-            raise JournalCorruptError(self._lost_commits(mark, newest))
-        self.tail = pending
-        self._segs = segs
-        self.next_seq = expect if not pending else pending[-1].seq + 1
-        self._tail_clean = not self.tail and self.torn_bytes == 0
-
-    def _read_mark(self) -> tuple[int, int] | None:
-        """The committed mark's (END seq, tag), or None: no mark, or a torn or damaged one."""
-        try:
-            raw = (self.dir / MARK).read_bytes()
-        except OSError:
-            return None
-        if len(raw) != MARK_REC.size:
-            return None
-        magic, seq, tag, crc = MARK_REC.unpack(raw)
-        if magic != MARK_MAGIC or crc32c_extend(0, raw[:-4]) != crc:
-            return None
-        return seq, tag
-
-    def _lost_commits(self, mark: tuple[int, int], newest: int) -> str:
-        seq, tag = mark
-        msg = (f"journal {self.dir}: the transaction ending at record {seq}{f' (step {tag})' if tag >= 0 else ''} "
-               f"was committed and durable ({MARK}), but the journal now ends at record {newest}")
-        steps = [t.tag for t in self.txns if t.tag >= 0]
-        if tag >= 0 and (not steps or max(steps) < tag):
-            lo = max(steps) + 1 if steps else 0
-            msg += f": at least {tag - lo + 1} committed steps ({lo}..{tag}) are missing"
-        return msg + (" -- it was truncated or a segment deleted, which a power loss cannot do (what an fdatasync "
-                      "made durable stays)")
-
-    def _valid_after(self, seg: _Segment, off: int, after_seq: int) -> list[RecordRef]:
-        """Valid record headers after a bad spot (searching for the record magic), up to the
-        first record of an earlier life of the file: a recycled segment was written from its
-        header on, so whatever of this life lies after the bad spot comes before the stale
-        bytes (and a fresh segment has none). Reads no further than that."""
-        out: list[RecordRef] = []
-        with open(seg.path, "rb") as f:
-            if os.fstat(f.fileno()).st_size <= off:
-                return out
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                pos = data.find(REC_MAGIC, off + 1)
-                while pos >= 0:
-                    h = _parse_header(data[pos:pos + REC.size])
-                    if h is not None and h[1] < seg.first_seq:
-                        break  # the previous life of a recycled segment begins here
-                    if h is not None and h[1] >= after_seq and pos + REC.size + h[3] <= len(data):
-                        if crc32c_extend(0, data[pos + REC.size:pos + REC.size + h[3]]) == h[4]:
-                            out.append(RecordRef(seg.path, pos, h[0], h[1], h[2], h[3], h[4]))
-                    pos = data.find(REC_MAGIC, pos + 1)
-        return out
-
-    # -- reading
-    def _pread(self, ref: RecordRef) -> bytearray:
-        buf = bytearray(ref.length)
-        fd = os.open(ref.segment, os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [buf], ref.payload_offset)
-        finally:
-            os.close(fd)
-        if got != ref.length:
-            raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
-        return buf
-
-    def read(self, ref: RecordRef) -> bytearray:
-        """The payload of ``ref``, verified against its checksum."""
-        buf = self._pread(ref)
-        if crc32c([buf]) != ref.crc:
-            raise JournalCorruptError(f"journal record {ref.seq} ({RecordType(ref.type).name}) in "
-                                      f"{ref.segment.name} fails its checksum (bit flip or foreign write)")
-        return buf
-
-    def read_many(self, refs: Sequence[RecordRef], *, window: Arena | None = None):
-        """Yield ``(ref, payload)`` for ``refs`` (in order), verified; each segment is mapped once
-        (replay and compaction read thousands of records: no open/read per record). Payloads
-        are views of the mapping: use them before the next one is yielded... or copy.
-
-        ``window``: map the segments side by side into this reserved range instead (capacity:
-        :func:`window_bytes` of ``refs``), so that every payload lies in one address range and
-        one tensor over it reaches them all (on-demand replay gathers rows from many records
-        with one ``index_select``). The mappings live as long as the window."""
-        maps: dict[Path, mmap.mmap | memoryview] = {}
-        _prefetch(refs)
-        try:
-            for ref in refs:
-                m = maps.get(ref.segment)
-                if m is None:
-                    if window is not None:
-                        m = maps[ref.segment] = _map_into(window, ref.segment)
-                    else:
-                        with open(ref.segment, "rb") as f:
-                            m = maps[ref.segment] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                end = ref.payload_offset + ref.length
-                if end > len(m):
-                    raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
-                view = memoryview(m)[ref.payload_offset:end]
-                try:
-                    if crc32c_extend(0, view) != ref.crc:
-                        raise JournalCorruptError(
-                            f"journal record {ref.seq} ({RecordType(ref.type).name}) in {ref.segment.name} fails "
-                            f"its checksum (bit flip or foreign write)")
-                    yield ref, view
-                finally:
-                    view.release()
-        finally:
-            for m in maps.values():
-                try:
-                    m.close() if isinstance(m, mmap.mmap) else m.release()
-                except BufferError:
-                    pass  # a caller still holds a view; the mapping goes with it
-
-    @property
-    def last(self) -> TxnInfo | None:
-        return self.txns[-1] if self.txns else None
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(s.size for s in self._segs)
 
     # -- writing
     def truncate_tail(self) -> int:
@@ -884,32 +528,6 @@ class Journal:
             if self._segs and self._segs[-1].last_seq >= 0 and not self.tail:
                 self._new_segment()
 
-    @property
-    def start_seq(self) -> int:
-        """Sequence number of the first live record (every record below it has been dropped)."""
-        with self._lock:
-            return self._segs[0].first_seq if self._segs else self.next_seq
-
-    def sealed_bytes(self, since_seq: int) -> int:
-        """Bytes of the sealed segments (all but the one being appended to) that hold records
-        at or after ``since_seq``."""
-        with self._lock:
-            return sum(s.size for s in self._segs[:-1] if s.last_seq >= since_seq)
-
-    def sealed_refs(self, since_seq: int) -> tuple[list[RecordRef], int | None]:
-        """Every record with a sequence number >= ``since_seq`` in the *sealed* segments (all
-        but the one being appended to), and the sequence number just past them; ``([], None)``
-        when no sealed segment reaches ``since_seq``. A segment is sealed only after an END, so
-        these records are all committed; and only sealed segments are read beside the writer:
-        the segment being appended to has its last block rewritten by direct writes, which must
-        not meet a mapping of it."""
-        with self._lock:
-            segs = [s for s in self._segs[:-1] if s.last_seq >= since_seq]
-        if not segs:
-            return [], None
-        refs = [r for s in segs for r in _iter_refs(s) if r.seq >= since_seq]
-        return refs, segs[-1].last_seq + 1
-
     def reclaim(self, before_seq: int, absorb: Callable[[list[RecordRef]], None] | None = None) -> int:
         """Drop segments all of whose records have a sequence number below ``before_seq`` (never
         the one being appended to). ``absorb(records)`` first writes what they hold back to
@@ -966,72 +584,3 @@ class Journal:
         if self._mark_fd is not None:
             fileio.close(self._mark_fd)
             self._mark_fd = None
-
-
-def _iter_refs(seg: _Segment) -> Iterable[RecordRef]:
-    """Every record of a sealed segment (headers verified again)."""
-    with open(seg.path, "rb") as f:
-        off = SEG.size
-        while off < seg.size:
-            f.seek(off)
-            h = _parse_header(f.read(REC.size))
-            if h is None:
-                raise JournalCorruptError(f"journal segment {seg.path.name} at byte {off}: bad header")
-            yield RecordRef(seg.path, off, h[0], h[1], h[2], h[3], h[4])
-            off += REC.size + h[3]
-
-
-def _prefetch(refs: Sequence[RecordRef]) -> None:
-    """Ask the kernel to read the payloads of ``refs`` now, all at once (asynchronously, at the
-    disk's full queue depth; a no-op for cached pages), instead of one read-ahead window per
-    page fault as they are used: after a crash the journal is read from the disk."""
-    spans: dict[Path, list[list[int]]] = {}
-    for r in refs:
-        s = spans.setdefault(r.segment, [])
-        if s and r.offset <= s[-1][1] + BLOCK:
-            s[-1][1] = max(s[-1][1], r.payload_offset + r.length)
-        else:
-            s.append([r.offset, r.payload_offset + r.length])
-    for path, ranges in spans.items():
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # (read_many reports it)
-        try:
-            for lo, hi in ranges:
-                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
-
-def window_bytes(refs: Sequence[RecordRef]) -> int:
-    """The capacity a :meth:`Journal.read_many` window needs for ``refs``: their segments, whole,
-    twice over -- room for a segment that grows while it is read (a reader beside a writer); the
-    range is only reserved, so the slack costs no memory."""
-    total = 0
-    for seg in {r.segment for r in refs}:
-        try:
-            total += page_round(seg.stat().st_size)
-        except OSError:
-            pass  # (read_many reports it)
-    return 2 * total
-
-
-def _map_into(window: Arena, segment: Path) -> memoryview:
-    """``segment`` mapped read-only (shared: the file's page cache) at the next free offset of
-    ``window``, as a memoryview."""
-    fd = os.open(segment, os.O_RDONLY)
-    try:
-        # (At most what is left of the window: a record past it reads as truncated, as past the
-        # end of the file.)
-        size = min(os.fstat(fd).st_size, window.capacity - window.used)
-        off = window.place(size)
-        if size:
-            window.map_file(off, fd, size, shared=True, writable=False)
-    finally:
-        os.close(fd)  # (the mapping keeps the file)
-    if not size:
-        return memoryview(b"")
-    buf = (ctypes.c_char * size).from_address(window.base + off)
-    buf._arena = window  # a view of it keeps the window mapped
-    return memoryview(buf).cast("B")

@@ -27,11 +27,7 @@ Layout of ``<pool>/runs/``::
                           the manifest names it, and stops counting when it no longer does
     run-<gen, 16 hex>.bin one compaction's run
 
-Run file (``RUN``): a 4 KiB header block (magic ``DCXRUN01``, version, generation, tables, where
-the index and the rows are, the block size, crc32c); the **index** (per table: name, row size,
-rows, tombstones, where its rows start; then every table's ids and tombstones, sorted int64; then
-one crc32c per 4 KiB block of the rows; a crc32c of all of it); the rows, packed, table after
-table, from a page-aligned offset.
+Run file: its format, and writing and opening one: :mod:`memory_pool.runfile`.
 
 A compaction, in this order (SQLite's rule: the commit marker last, and durably):
 
@@ -63,256 +59,29 @@ a row the journal holds is never taken from a run.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
-import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from crc32c import crc32c as _crc32c
 
-from .arena import PAGE, Arena, page_round
+from .arena import PAGE, Arena
 from . import fileio
-from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc, parse_json_object, pwrite_all, raise_if_full
+from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc, parse_json_object
 from .errors import PoolCorruptError
-from .records import crc32c_extend
+from .runfile import BLOCK, HEAD, Run, RunCorruptError, write_run
 
 __all__ = ["Overlay", "Run", "RunCorruptError", "write_run", "RUNS_DIR", "MANIFEST", "DEFAULT_BOUND",
            "DENSE_FRACTION"]
 
 RUNS_DIR = "runs"
 MANIFEST = "MANIFEST"
-RUN_MAGIC = b"DCXRUN01"
-RUN_VERSION = 1
-BLOCK = 4096                      # rows are verified this much at a time
-HEAD = struct.Struct("<8sIIQQQQQI")   # magic, version, tables, gen, index off, index len, data off, data len, block
-ENTRY = struct.Struct("<HIQQQ")       # name length, row bytes, rows, tombstones, rows' start in the data
 DEFAULT_BOUND = 2 << 30           # bytes of runs kept (the model: 2 GiB reach WA 1.43 on kaggle; 1 GiB do not)
 DENSE_FRACTION = 0.25             # a page with at least this much of it changed is written home in place
 EVICT_FRACTION = 0.75             # carried rows past this much of the bound go home instead of moving on
 NEW = 127                         # ``where`` of a row going into the run being written (no run's slot)
 MAX_RUNS = NEW - 1                # slots 1..126 (``where`` is int8: half the memory an open writes)
-
-
-class RunCorruptError(PoolCorruptError):
-    """A run file of the row overlay, or its manifest, is damaged, truncated or missing."""
-
-    exit_code = 4
-    default_hint = "the pool's row overlay (runs/) is damaged; restore the pool from a copy (nothing was changed)"
-
-
-@dataclass
-class RunTable:
-    row_bytes: int
-    ids: torch.Tensor      # sorted, distinct int64: the rows this run holds a value of
-    tombs: torch.Tensor    # sorted, distinct int64: rows whose older run values no longer count
-    start: int             # byte offset of its rows in the run's data
-
-
-@dataclass
-class Run:
-    """One run file, opened: header and index verified, rows mapped (verified per block when
-    read). ``slot``: its number in ``where`` (1..MAX_RUNS)."""
-
-    path: Path
-    gen: int
-    nbytes: int
-    tables: dict[str, RunTable]
-    data: torch.Tensor | None          # uint8 over the mapped rows
-    crcs: np.ndarray                   # crc32c per BLOCK of the rows
-    verified: np.ndarray = field(repr=False, default=None)
-    slot: int = 0
-    _mm: mmap.mmap | None = field(repr=False, default=None)
-    window: Arena | None = field(repr=False, default=None)   # mapped there (an open's runs), at wbase
-    wbase: int = 0
-    gblock: int = 0                    # (an open's runs: its first block in the overlay's "verified")
-
-    @classmethod
-    def open(cls, path: Path, window: Arena | None = None) -> "Run":
-        """``window``: map the rows there (at the next free offset) instead of on their own."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise RunCorruptError(f"run {path} is missing (its manifest names it)") from None
-        try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, HEAD.size + 4, 0)
-            if len(head) != HEAD.size + 4 or head[:8] != RUN_MAGIC:
-                raise RunCorruptError(f"run {path}: not a run file, or its header is truncated")
-            if crc32c_extend(0, head[:HEAD.size]) != struct.unpack_from("<I", head, HEAD.size)[0]:
-                raise RunCorruptError(f"run {path}: header fails its checksum")
-            _, version, ntables, gen, ioff, ilen, doff, dlen, block = HEAD.unpack_from(head)
-            if version != RUN_VERSION or block != BLOCK:
-                raise RunCorruptError(f"run {path}: version {version}, block {block}: not one this dlrm-cxl writes")
-            if size < doff + dlen or ioff + ilen > doff or ilen < 4:
-                raise RunCorruptError(f"run {path}: {size} bytes, its header says {doff + dlen}: truncated")
-            index = bytearray(ilen)
-            got = os.preadv(fd, [index], ioff)
-            if got != ilen or crc32c_extend(0, memoryview(index)[:-4]) != struct.unpack_from("<I", index, ilen - 4)[0]:
-                raise RunCorruptError(f"run {path}: index fails its checksum")
-            tables = _parse_index(path, index, ntables, dlen)
-            nblocks = -(-dlen // BLOCK)
-            crcs = np.frombuffer(index, dtype=np.uint32, count=nblocks, offset=ilen - 4 - 4 * nblocks)
-            mm, wbase = None, (window.used if window is not None else 0)   # (the bases stay in order)
-            if dlen and window is not None:
-                wbase = window.place(dlen)
-                window.map_file(wbase, fd, dlen, shared=True, writable=False, file_offset=doff)
-                data = window.tensor(wbase, dlen, torch.uint8)
-            elif dlen:
-                mm = mmap.mmap(fd, dlen, mmap.MAP_SHARED, mmap.PROT_READ, offset=doff)
-                data = torch.frombuffer(mm, dtype=torch.uint8)
-            else:
-                data = torch.empty(0, dtype=torch.uint8)
-        finally:
-            os.close(fd)
-        return cls(path, gen, size, tables, data, crcs, np.zeros(len(crcs), dtype=bool), 0, mm,
-                   window if mm is None and dlen else None, wbase)
-
-    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """The values of rows ``ids`` (sorted or not, all held by this run's table ``name``) as
-        ``[n, row_bytes]`` uint8, their blocks verified first."""
-        t = self.tables[name]
-        pos = torch.searchsorted(t.ids, ids)
-        rb = t.row_bytes
-        off = t.start + pos * rb
-        self.verify(torch.cat([off // BLOCK, (off + rb - 1) // BLOCK]))
-        return self.data[t.start:t.start + t.ids.numel() * rb].view(-1, rb).index_select(0, pos)
-
-    def verify(self, blocks: torch.Tensor | None = None) -> None:
-        """Check the crc32c of ``blocks`` (indexes; None: all) that were not checked yet."""
-        todo = np.arange(len(self.crcs)) if blocks is None else np.unique(blocks.numpy())
-        todo = todo[~self.verified[todo]]
-        if not todo.size:
-            return
-        raw = memoryview(self.data.numpy())
-        want = self.crcs[todo].tolist()
-        for b, c in zip(todo.tolist(), want):
-            # (the C function on a memoryview slice: ~1 us a block, a third of crc32c_extend's wrapper)
-            if _crc32c(raw[b * BLOCK:(b + 1) * BLOCK], 0, 0) != c:
-                raise RunCorruptError(f"run {self.path}: rows at byte {b * BLOCK} of its data fail their checksum "
-                                      f"(bit flip or foreign write)")
-        self.verified[todo] = True
-
-    def entries(self) -> int:
-        return sum(t.ids.numel() for t in self.tables.values())
-
-    def close(self) -> None:
-        data, self.data = self.data, None
-        if self.window is not None and data is not None:
-            n = data.numel()
-            del data
-            self.window.release(self.wbase, n)   # (its blocks freed once the file is deleted)
-            self.window = None
-        if self._mm is not None:
-            with contextlib.suppress(BufferError):   # (a view still held: unmapped when it goes)
-                self._mm.close()
-            self._mm = None
-
-
-def _parse_index(path: Path, index: bytearray, ntables: int, dlen: int) -> dict[str, RunTable]:
-    try:
-        p = 0
-        entries = []
-        for _ in range(ntables):
-            entries.append(ENTRY.unpack_from(index, p))
-            p += ENTRY.size
-        names = []
-        for nlen, *_ in entries:
-            names.append(bytes(index[p:p + nlen]).decode())
-            p += nlen
-        p = -(-p // 8) * 8
-        out = {}
-        end = 0
-        for name, (_, rb, n, nt, start) in zip(names, entries):
-            # (views of the index buffer, which they keep alive: no copy of 8 bytes a row)
-            ids = torch.frombuffer(index, dtype=torch.int64, count=n, offset=p) if n else \
-                torch.empty(0, dtype=torch.int64)
-            p += 8 * n
-            tombs = torch.frombuffer(index, dtype=torch.int64, count=nt, offset=p) if nt else \
-                torch.empty(0, dtype=torch.int64)
-            p += 8 * nt
-            if ids.numel() != n or tombs.numel() != nt or rb < 1 or start != end:
-                raise ValueError(f"table {name!r}: its entry does not match its ids")
-            end = start + n * rb
-            out[name] = RunTable(rb, ids, tombs, start)
-        if end != dlen:
-            raise ValueError(f"its tables hold {end} bytes of rows, its header says {dlen}")
-        return out
-    except (struct.error, ValueError, UnicodeDecodeError, RuntimeError) as exc:
-        raise RunCorruptError(f"run {path}: index is malformed ({exc})") from None
-
-
-def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
-    """Write a run: ``tables[name] = (row bytes, ids sorted, rows [n, row bytes] uint8, tombstones
-    sorted)``, durably (fdatasync; its directory entry is made durable by the manifest's write).
-    Returns the file's size."""
-    names = list(tables)
-    starts, at = [], 0
-    for n in names:
-        rb, ids, _, _ = tables[n]
-        starts.append(at)
-        at += ids.numel() * rb
-    dlen = at
-    nblocks = -(-dlen // BLOCK)
-    fixed = ENTRY.size * len(names) + sum(len(n.encode()) for n in names)
-    ilen = -(-fixed // 8) * 8 + sum(8 * (tables[n][1].numel() + tables[n][3].numel()) for n in names) + 4 * nblocks + 4
-    ioff = PAGE
-    doff = page_round(ioff + ilen)
-    fd = fileio.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            fileio.ftruncate(fd, doff + dlen)   # (its size whatever its last part: a run of tombstones has no rows)
-            for n, start in zip(names, starts):
-                rows = tables[n][2]
-                if rows.numel():
-                    pwrite_all(fd, rows.contiguous().numpy(), doff + start)
-            # The rows' checksums, a block at a time, from the rows as written (a block may
-            # span two tables: its crc continues across them).
-            crcs = np.zeros(nblocks, dtype=np.uint32)
-            b = fill = crc = 0
-            for n in names:
-                data = tables[n][2].contiguous().view(-1).numpy()
-                pos = 0
-                while pos < data.size:
-                    take = min(BLOCK - fill, data.size - pos)
-                    crc = crc32c_extend(crc, data[pos:pos + take])
-                    fill, pos = fill + take, pos + take
-                    if fill == BLOCK:
-                        crcs[b], b, fill, crc = crc, b + 1, 0, 0
-            if fill:
-                crcs[b] = crc
-            parts = [ENTRY.pack(len(n.encode()), tables[n][0], tables[n][1].numel(), tables[n][3].numel(), s)
-                     for n, s in zip(names, starts)]
-            parts += [n.encode() for n in names]
-            index = b"".join(parts)
-            index += bytes(-len(index) % 8)
-            index += b"".join(tables[n][1].to(torch.int64).numpy().tobytes() + tables[n][3].to(torch.int64).numpy().tobytes()
-                              for n in names)
-            index += crcs.tobytes()
-            index += struct.pack("<I", crc32c_extend(0, index))
-            assert len(index) == ilen
-            pwrite_all(fd, index, ioff)
-            head = HEAD.pack(RUN_MAGIC, RUN_VERSION, len(names), gen, ioff, ilen, doff, dlen, BLOCK)
-            pwrite_all(fd, head + struct.pack("<I", crc32c_extend(0, head)), 0)
-            fileio.fdatasync(fd)
-            return doff + dlen
-        except OSError as exc:
-            raise_if_full(exc, f"writing run {path}")
-    except BaseException:
-        fileio.close(fd)
-        fd = -1
-        try:
-            fileio.unlink(path)
-        except OSError:
-            pass
-        raise
-    finally:
-        if fd >= 0:
-            fileio.close(fd)
 
 
 @dataclass
