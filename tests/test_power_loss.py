@@ -401,3 +401,16 @@ def test_a_reused_segment_whose_records_never_came_is_not_damage_after_a_power_l
     commit(back, 9)
     back.close()
     assert [t.tag for t in Journal(tmp_path).txns] == tags + [9]
+
+
+def test_a_finished_run_without_recovery_points_is_still_finished_after_a_power_loss(cli, tmp_path):
+    """`--checkpoint none` marks a pool as being trained while it runs and removes the mark at its
+    clean end, durably (the directory is synced): after a power loss the finished run must not
+    read as one interrupted mid-way (recovery would refuse it: rows changed in place)."""
+    pool = tmp_path / "pool"
+    r = cli.run(["train", "--pool", str(pool), "--preset", "tiny", "--tier", "power-sim", "--steps", "4",
+                 "--checkpoint", "none", "--no-progress"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = cli.run(["recover", "--pool", str(pool), "--json"])    # its open takes the power loss first
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    assert json.loads(rec.stdout)["committed_step"] == 4
