@@ -12,7 +12,8 @@ from .crash import PHASES, RECOVERY_PHASES, CrashPlan, parse_crash_at
 from .digest import state_digest
 from .job import JobRecoveryReport, recover_job, recover_path
 from .recovery import RecoveryReport, checkpoint_status, committed_state, recover
-from .undo import NoCheckpointer, UndoLogCheckpointer
+from .nocheckpoint import NoCheckpointer
+from .undo import UndoLogCheckpointer
 
 __all__ = ["Checkpointer", "CheckpointStats", "Step", "UndoLogCheckpointer", "NoCheckpointer", "CrashPlan",
            "PHASES", "RECOVERY_PHASES", "parse_crash_at", "recover", "recover_path", "recover_job", "RecoveryReport",

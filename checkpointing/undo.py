@@ -67,7 +67,6 @@ images in the background and dropped.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,9 +75,7 @@ from typing import Callable
 import torch
 
 from memory_pool import MemoryPool
-from memory_pool import fileio
-from memory_pool.durable import atomic_write, fsync_dir
-from memory_pool.records import Fill, encode_logged_mark, encode_row_set, encode_rows
+from memory_pool.records import Fill, encode_logged_mark, encode_row_set
 from memory_pool.segment_format import RecordType
 from memory_pool.threads import one_intra_op_thread
 from memory_pool.validation import env_mib
@@ -87,7 +84,8 @@ from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan
 from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
 
-__all__ = ["UndoLogCheckpointer", "NoCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step"]
+__all__ = ["UndoLogCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step", "default_compact_bytes",
+           "default_apply_bytes"]
 
 # step -> dense state. Its tensors may be live: the writer thread packs them while the next step
 # computes, so they may change only inside ``update(fn)`` (which first waits for that).
@@ -545,108 +543,3 @@ def _payload_bytes(gathers: list) -> int:
 def _row_sets(touched: list, groups: list) -> list:
     """One journal record per gathered group: ``[([(table name, ids)], rows)]``."""
     return [([(touched[i][0].name, touched[i][1]) for i in idx], rows) for idx, rows in groups]
-
-
-class NoCheckpointer(Checkpointer):
-    """``--checkpoint none``: no undo log. The state is a recovery point only at a clean end.
-
-    While it trains, a marker file says so; recovery of a pool with that marker refuses
-    (rows changed in place cannot be rolled back), instead of silently resuming a mix.
-    """
-
-    name = "none"
-
-    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, crash: CrashPlan | None = None, **_):
-        self.pool = pool
-        self.dense_state = dense_state
-        self.crash = crash
-        self.dir = ckpt_dir(pool.storage_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.stats = CheckpointStats()
-        self._marked = False
-        self._cur: Step | None = None
-        self._packer = DensePacker()
-        self._touched: dict[str, tuple] = {}
-
-    def hit(self, phase: str) -> None:
-        if self.crash is not None and self._cur is not None:
-            self.crash.hit(self._cur.k, phase)
-
-    def begin_step(self, step):
-        self._cur = Step(step)
-        if not self._marked:
-            atomic_write(self.dir / RUNNING_MARKER, f"{step}\n".encode())
-            self._marked = True
-        if self.crash is not None:
-            self.crash.arm_random(step)
-
-    @property
-    def needs_touched(self) -> bool:
-        # Only to mark rows dirty on a journaled tier, for the persist at the clean end.
-        return self.pool.journaled
-
-    # No log is written; the crash phases fire at the same points of the step as with undo.
-    def log_before_image(self, touched):
-        self.hit("before-log")
-        for t, rows in touched:
-            t.mark_dirty(rows)  # persisted at the clean end (journaled tiers)
-        self.hit("mid-log")
-
-    def persist(self):
-        self.hit("after-log")
-
-    def update(self, fn):
-        fn()
-        self.hit("after-update")
-
-    def mark_updated(self) -> None:
-        pass
-
-    def commit(self, step, *, final=False):
-        self.stats.steps += 1
-        for phase in ("mid-dense", "before-commit"):
-            self.hit(phase)
-        if final:
-            self.checkpoint_now(step)
-        self.hit("after-commit")
-        self._cur = None
-
-    def checkpoint_now(self, step: int) -> None:
-        pool, j = self.pool, self.pool.journal
-        if j is not None:
-            t_bytes = 0
-            taken = []
-            try:
-                for name in pool.tables():
-                    t = pool.table(name)
-                    ids = t.take_dirty()
-                    taken.append((t, ids))
-                    if ids.numel() and pool.journaled:
-                        j.append(RecordType.ROWS, step, encode_rows(name, ids, t.view().index_select(0, ids)))
-                        t_bytes += ids.numel() * (8 + t.config.row_bytes)
-                    elif ids.numel():
-                        pool.persist_rows([(t, ids)])
-                parts, d_bytes = self._packer.pack(self.dense_state(step))
-                j.append(RecordType.DENSE, step, parts)
-                txn = j.end(step, commit_doc(step))
-            except BaseException:
-                for t, ids in taken:  # not durable (a full disk): dirty again, for the retry
-                    t.mark_dirty(ids)
-                raise
-            if j.live_bytes >= default_compact_bytes(pool):
-                # Bounded as the undo log's: what precedes this transaction (the recovery point,
-                # kept) is written back and dropped. Without it every run of a journaled pool
-                # added its changed rows to the journal, and every open replayed them all (27 s
-                # for a `kaggle` pool after a few runs).
-                j.rotate()
-                pool.compact(txn.first_seq, wait=True)
-            self.stats.table_bytes_persisted += t_bytes
-            self.stats.dense_bytes += d_bytes
-        try:
-            fileio.unlink(self.dir / RUNNING_MARKER)
-            fsync_dir(self.dir)
-        except FileNotFoundError:
-            pass
-        self._marked = False
-        self.stats.checkpoints += 1
-        self.stats.last_commit_step = step
