@@ -1,21 +1,35 @@
 """The ``dlrm-cxl`` command line. ``main(argv) -> int``; never calls sys.exit itself.
 
-Exit codes: 0 ok; 1 unexpected error; 2 bad arguments or input (also: eval/export of a pool
-that needs `recover` first); 3 not a pool / wrong version / volatile pool gone; 4 damage that
-recovery cannot repair (nothing was changed); 5 pool locked by another writer; 6 pool or disk
-full; 7 malformed data; 8 training diverged (NaN/inf loss); 9 the device failed a write (EIO).
-Every error class and its exit code: :mod:`dlrm_cxl.errors`.
+Exit codes (``cli_args.EXIT_CODES``, the README's list and ``--help``'s are the same): 0 ok (also:
+`train` with nothing to do, and output cut short by a closed pipe: ``inspect | head`` ends
+quietly); 1 unexpected error; 2 bad arguments or input (also: eval/export of a pool that needs
+`recover` first; a pool directory that train/recover/destroy/import cannot write); 3 not a pool
+(also: a file given as --pool) / wrong version / volatile pool gone; 4 damage that recovery cannot
+repair (nothing was changed); 5 pool locked by another writer; 6 pool or disk full; 7 malformed
+data; 8 training diverged (NaN/inf loss); 9 the device failed a write (EIO); 10 a background
+compaction failed; 130 interrupted. Every error class and its exit code: :mod:`dlrm_cxl.errors`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
 from .cli_args import PRESET_NAMES, _print_json, build_parser, model_config_from_args
-from .cli_train import _cmd_recover, _cmd_train
-from .errors import DlrmCxlError
+from .cli_train import _cmd_recover, _cmd_train, _with_cli_hint, check_data_path, check_pool_writable, \
+    not_writable_error
+from .errors import (
+    DataFormatError,
+    DlrmCxlError,
+    InvalidConfigError,
+    PoolExistsError,
+    PoolFormatError,
+    PoolLockedError,
+    PoolNotWritableError,
+)
 
 __all__ = ["main", "build_parser", "model_config_from_args", "PRESET_NAMES"]
 
@@ -101,12 +115,16 @@ def _cmd_eval(args) -> int:
 
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
+    check_data_path("--data", args.data)
     pool, cfg, model = open_model(args.pool)
     try:
         meta = pool.meta
         data = args.data or meta.get("data", "synthetic")
-        source = eval_source(data, data_spec(cfg), seed=meta.get("seed", 0), zipf_alpha=meta.get("zipf_alpha", 1.05),
-                             skip_bad_lines=args.skip_bad_lines)
+        try:
+            source = eval_source(data, data_spec(cfg), seed=meta.get("seed", 0),
+                                 zipf_alpha=meta.get("zipf_alpha", 1.05), skip_bad_lines=args.skip_bad_lines)
+        except DataFormatError as exc:
+            raise _with_cli_hint(exc, cfg) from None
         res = evaluate(model, source, args.batches)
     finally:
         pool.close()
@@ -147,9 +165,13 @@ def _cmd_import(args) -> int:
     from .provisioning import build_dense_optimizer, capture_dense_state, create_trainer_pool
 
     cfg = model_config_from_args(args)
+    _check_new_pool_dir(Path(args.pool))
     state = load_torchrec_state(args.state, cfg)
     # The metadata of a pool that `train` made with the default --seed, --data and --zipf-alpha.
-    pool = create_trainer_pool(TrainOptions(pool=args.pool, steps=0, tier=args.tier), cfg)
+    try:
+        pool = create_trainer_pool(TrainOptions(pool=args.pool, steps=0, tier=args.tier), cfg)
+    except PoolExistsError as exc:  # (made meanwhile) its hint would name train's --fresh
+        raise PoolExistsError(exc.message, hint=_IMPORT_EXISTS_HINT.format(pool=args.pool)) from None
     try:
         model = PoolDLRM(cfg, pool)
         try:
@@ -168,6 +190,21 @@ def _cmd_import(args) -> int:
     pool.close()
     print(f"imported {args.state} into a new pool at {args.pool} (step 0)")
     return 0
+
+
+_IMPORT_EXISTS_HINT = ("import makes a new pool: pass a new --pool directory, or delete the existing pool first "
+                       "with `dlrm-cxl destroy --pool {pool}`")
+
+
+def _check_new_pool_dir(path: Path) -> None:
+    """``import`` makes a new pool: refuse (before the state file is read) a --pool that holds one."""
+    from memory_pool.pool import HEADER
+
+    if (path / HEADER).exists():
+        raise PoolExistsError(f"{path} already holds a pool", hint=_IMPORT_EXISTS_HINT.format(pool=path))
+    if path.is_dir() and any(path.iterdir()):
+        raise PoolExistsError(f"{path} is not an empty directory",
+                              hint="import makes a new pool: pass a new (or empty) --pool directory")
 
 
 def _rank_pools(job: Path) -> list[Path]:
@@ -194,7 +231,8 @@ def _rank_pools(job: Path) -> list[Path]:
             continue
         try:
             if not try_lock(fd):
-                raise PoolLockedError(f"{p} is locked by another writer (pid {lock_holder(p) or '?'})")
+                raise PoolLockedError(f"{p} is locked by another writer (pid {lock_holder(p) or '?'})",
+                                      hint=_WRITER_LOCKED_HINT)
         finally:
             os.close(fd)
     return ranks
@@ -230,6 +268,8 @@ def _cmd_destroy(args) -> int:
         storage = Path(header.get("storage_dir", p))
         if owns_region(header, storage):
             regions[str(storage)] = region_bytes(storage)
+    # Every file deletable before any is deleted: a read-only pool is refused whole.
+    check_pool_writable(path, "destroy", extra=list(regions))
     for p in pools:
         destroy_pool(p)  # takes the writer lock (exit 5 when a writer holds it)
     if job:
@@ -286,10 +326,69 @@ def _cmd_data(args) -> int:
     from .options import data_spec
 
     cfg = model_config_from_args(args)
+    if not args.input.is_file():
+        what = "is a directory" if args.input.is_dir() else "no such file" if not args.input.exists() else \
+            "is not a regular file"
+        raise InvalidConfigError(f"data convert: INPUT {args.input}: {what}",
+                                 hint="the first argument of `dlrm-cxl data convert INPUT.tsv OUTPUT.zarr` is the "
+                                      "Criteo TSV file to convert")
     stats = convert_tsv_to_zarr(args.input, args.output, data_spec(cfg), chunk_rows=args.chunk_rows,
                                 skip_bad_lines=args.skip_bad_lines, overwrite=args.overwrite)
     print(json.dumps(stats, default=str))
     return 0
+
+
+# Commands that change the pool, and so write to its directory (its LOCK first of all).
+_WRITERS = ("train", "recover", "destroy", "import")
+_WRITER_LOCKED_HINT = ("wait until the other process ends (a trainer, or an inspect/eval/export reading the pool), "
+                       "or stop it; while a trainer runs, `dlrm-cxl inspect --no-digest` can still read the pool")
+
+
+def _check_pool_arg(args) -> None:
+    """A regular file (or anything but a directory) given as --pool: say so, whatever the command."""
+    pool = getattr(args, "pool", None)
+    if pool is None:
+        return
+    p = Path(pool)
+    if p.exists() and not p.is_dir():
+        hint = (f"pass the directory that holds it: --pool {p.parent}" if p.name == "pool.json" else
+                "--pool takes a directory: the pool's (it holds pool.json), or a new one for train/import")
+        raise PoolFormatError(f"{p} is a file, not a pool directory", hint=hint)
+
+
+def _not_writable(exc: OSError, args) -> PoolNotWritableError | None:
+    """A command that changes the pool could not write to its directory (EROFS, EPERM of
+    `chattr +i`, EACCES): the typed error, or None for any other OSError."""
+    pool = getattr(args, "pool", None)
+    if args.command not in _WRITERS or pool is None or exc.errno not in (errno.EROFS, errno.EPERM, errno.EACCES):
+        return None
+    where = Path(os.path.abspath(pool))
+    name = Path(os.path.abspath(exc.filename)) if exc.filename else None
+    if name is not None and name != where and where not in name.parents and name not in where.parents:
+        return None  # (another path: a data file, a temporary directory)
+    return not_writable_error(pool, args.command, exc.errno, exc.filename or pool)
+
+
+def _output_closed() -> int:
+    """The reader of stdout went away (``dlrm-cxl inspect | head -5``): end quietly, as Unix
+    tools do, with exit 0 (not 141, the status of a tool killed by SIGPIPE: a ``set -o pipefail``
+    script would stop there, and the command did what was asked of it). In a real process stdout
+    is pointed at /dev/null, so that the interpreter's last flush does not complain either."""
+    if sys.stdout is sys.__stdout__ and sys.stdout is not None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+    return 0
+
+
+def _report(command: str, exc: DlrmCxlError) -> int:
+    print(f"dlrm-cxl {command}: error: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(f"hint: {exc.hint}", file=sys.stderr)
+    return exc.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,12 +401,19 @@ def main(argv: list[str] | None = None) -> int:
                 "export": _cmd_export, "import": _cmd_import, "data": _cmd_data, "destroy": _cmd_destroy,
                 "gc": _cmd_gc}
     try:
-        return handlers[args.command](args)
+        _check_pool_arg(args)
+        code = handlers[args.command](args)
+        sys.stdout.flush()  # (here, where a closed pipe is still ours to report)
+        return code
+    except BrokenPipeError:
+        return _output_closed()
+    except PoolLockedError as exc:
+        if args.command in _WRITERS and exc.hint == PoolLockedError.default_hint:
+            # (its default hint sends the user to inspect/eval, which a trainer's lock refuses too)
+            exc = PoolLockedError(exc.message, hint=_WRITER_LOCKED_HINT)
+        return _report(args.command, exc)
     except DlrmCxlError as exc:
-        print(f"dlrm-cxl {args.command}: error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
-        return exc.exit_code
+        return _report(args.command, exc)
     except ValueError as exc:
         print(f"dlrm-cxl {args.command}: error: {exc}", file=sys.stderr)
         print(f"hint: see `dlrm-cxl {args.command} --help` for the options and their values", file=sys.stderr)
@@ -315,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a path the user gave that cannot be read or written
         from memory_pool.durable import FULL_ERRNOS
 
+        not_writable = _not_writable(exc, args)
+        if not_writable is not None:
+            return _report(args.command, not_writable)
         print(f"dlrm-cxl {args.command}: error: {exc}", file=sys.stderr)
         if exc.errno in FULL_ERRNOS:
             print("hint: free disk space, or pass a smaller --capacity", file=sys.stderr)

@@ -4,13 +4,17 @@ whose ``main`` runs them and turns their errors into exit codes).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
-from .cli_args import _print_json, model_config_from_args
+from .cli_args import _print_json, data_convert_hint, model_config_from_args
+from .errors import ConfigMismatchError, DataFormatError, InvalidConfigError, PoolNotWritableError
 
-__all__ = ["_cmd_train", "_cmd_recover"]
+__all__ = ["_cmd_train", "_cmd_recover", "check_data_path", "check_pool_writable", "not_writable_error"]
 
 
 def _cmd_train(args) -> int:
@@ -30,8 +34,13 @@ def _cmd_train(args) -> int:
     stored_at = rank_dir(args.pool, 0) if distributed else args.pool
     cfg = model_config_from_args(args, default_preset=None if pool_exists else "small",
                                  base=stored_config(stored_at) if pool_exists else None)
+    if args.data is None:  # resume: the data the pool was trained on, as recorded in it
+        args.data = _recorded_data(Path(stored_at)) if pool_exists else "synthetic"
+    _check_data_paths(args)
+    if pool_exists and (Path(stored_at) / "pool.json").exists():
+        _check_pool_flags(args, Path(stored_at))
     opts = TrainOptions(
-        pool=args.pool, steps=args.steps, data=args.data, seed=args.seed, tier=args.tier, device=args.device,
+        pool=args.pool, steps=args.steps, data=args.data, seed=args.seed, tier=args.tier or "auto", device=args.device,
         eval_every=args.eval_every, eval_batches=args.eval_batches, eval_data=args.eval_data,
         checkpoint=args.checkpoint, dense_every=args.dense_every,
         crash_at=parse_crash_at(args.crash_at) if args.crash_at else None, crash_rank=args.crash_rank,
@@ -40,6 +49,23 @@ def _cmd_train(args) -> int:
         fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel,
         writer=args.writer)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
+    if pool_exists and not distributed and not args.json and not args.crash_at:
+        from .options import validate_options
+        from .provisioning import probe_training_pool
+
+        validate_options(opts)
+        _, status = probe_training_pool(opts, cfg)  # (refuses flags that disagree with the pool)
+        c = status["committed_step"]
+        if c is not None and c >= args.steps and not (status["needs_recovery"] or status["steps_to_roll_back"]
+                                                      or status["torn_bytes"] or _lock_held(args.pool)):
+            print(f"pool {args.pool} is already at step {c}; nothing to do (--steps is the step to reach in "
+                  f"total: --steps {c + 100} trains 100 more)")
+            print(f"state_digest {_committed_digest(args.pool)}")
+            return 0
+    elif not pool_exists and not distributed:
+        _check_data_fits(opts, cfg)  # before the pool is made: a zarr made for other tables
+    if not distributed and (Path(args.pool) / "pool.json").exists():
+        check_pool_writable(args.pool, "train")  # (--fresh deletes it: refused whole, not half done)
     ctx = None
     if distributed:
         if cfg is not None:
@@ -51,7 +77,10 @@ def _cmd_train(args) -> int:
                 raise ValueError(f"{marker}: cannot read the job's model ({exc}); pass --preset") from None
         ctx = init_distributed(args.device, n_features)
     try:
-        trainer = Trainer(opts, cfg, log=log, dist=ctx)
+        try:
+            trainer = Trainer(opts, cfg, log=log, dist=ctx)
+        except DataFormatError as exc:
+            raise _with_cli_hint(exc, cfg or stored_config(stored_at)) from None
         try:
             summary = trainer.run()
             digest = trainer.digest()
@@ -76,6 +105,11 @@ def _cmd_train(args) -> int:
         _print_json(d)
         return 0
     ck = summary.checkpoint
+    if not summary.steps_run and summary.end_step >= args.steps:
+        print(f"pool {args.pool} is already at step {summary.end_step}; nothing to do (--steps is the step to "
+              f"reach in total: --steps {summary.end_step + 100} trains 100 more)")
+        print(f"state_digest {digest}")
+        return 0
     print(f"done: step {summary.end_step} ({summary.steps_run} steps this run, {summary.samples} samples "
           f"in {summary.seconds:.1f} s, {summary.samples_per_s:,.0f} samples/s)")
     if summary.final_loss is not None:
@@ -122,18 +156,151 @@ def _cmd_train(args) -> int:
 def _cmd_recover(args) -> int:
     from checkpointing.job import recover_path
 
+    if not args.dry_run:
+        check_pool_writable(args.pool, "recover")
     rep = recover_path(args.pool, dry_run=args.dry_run, digest=not args.no_digest, crash_phase=args.crash_at)
     if args.json:
         _print_json(rep.as_dict())
         return 0
+    would = args.dry_run and rep.needed
     for a in rep.actions:
-        print(a)
+        # (the report's actions say "would roll back step k: N rows restored")
+        print(re.sub(r"(\d+) rows restored", r"\1 rows would be restored", a) if args.dry_run else a)
     if rep.committed_step is None:
         print("pool holds no training state")
     else:
-        verb = "would be" if args.dry_run and rep.needed else "is"
-        print(f"pool {verb} consistent at step {rep.committed_step}: {rep.rows_restored} rows restored "
-              f"from {len(rep.rolled_back_steps)} uncommitted steps in {rep.seconds * 1e3:.1f} ms")
+        n = len(rep.rolled_back_steps)
+        steps = f"{n} uncommitted step{'' if n == 1 else 's'}"
+        if would:
+            print(f"pool would be consistent at step {rep.committed_step}: {rep.rows_restored} rows would be "
+                  f"restored from {steps} (checked in {rep.seconds * 1e3:.1f} ms; nothing was changed)")
+        else:
+            print(f"pool is consistent at step {rep.committed_step}: {rep.rows_restored} rows restored "
+                  f"from {steps} in {rep.seconds * 1e3:.1f} ms")
     if rep.state_digest:
         print(f"state_digest {rep.state_digest}")
     return 0
+
+
+def _recorded_data(pool: Path) -> str:
+    """The --data an existing pool was created with (its meta), "synthetic" if it records none."""
+    from memory_pool import read_header
+
+    if not (pool / "pool.json").exists():
+        return "synthetic"
+    return read_header(pool).get("meta", {}).get("data") or "synthetic"
+
+
+def _committed_digest(pool) -> str:
+    """The state digest of the pool's committed step (what `train` prints after its steps), read
+    without changing the pool."""
+    from checkpointing import committed_state, state_digest
+    from memory_pool import MemoryPool
+
+    with MemoryPool.open(pool, read_only=True, consistent=True, replay="on-demand") as p:
+        return state_digest(p, committed_state(p)[1])
+
+
+def _lock_held(pool) -> bool:
+    """Whether another process holds the pool's lock now (a trainer, or a reader): then `train`
+    reports that (exit 5) as it always did, rather than the step the pool was at."""
+    from memory_pool.writer_lock import LOCK_FILE, try_lock
+
+    try:
+        fd = os.open(Path(pool) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return not try_lock(fd)  # (released when fd is closed)
+    finally:
+        os.close(fd)
+
+
+def check_data_path(flag: str, value) -> None:
+    """A data flag names something that exists: a usage error (exit 2), before any pool is made,
+    not malformed data (exit 7) after."""
+    if value is None or str(value) == "synthetic" or Path(value).exists():
+        return
+    raise InvalidConfigError(
+        f"{flag} {value}: no such file or directory",
+        hint=f"pass {flag} synthetic, a Criteo .tsv file, or a .zarr directory made by `dlrm-cxl data convert`")
+
+
+def _check_data_paths(args) -> None:
+    check_data_path("--data", args.data)
+    check_data_path("--eval-data", args.eval_data)
+
+
+def _check_data_fits(opts, cfg) -> None:
+    """A zarr dataset (or any data source) for a new pool is opened against the model's tables
+    before the pool is made: one converted for other table sizes is refused here, not after a
+    pool of hundreds of MB was created for nothing."""
+    from .data import make_data_source
+    from .options import data_spec
+
+    for data in (opts.data, opts.eval_data):
+        if data is None or str(data) == "synthetic" or not Path(data).is_dir():
+            continue  # (a TSV is checked line by line as it is read)
+        try:
+            make_data_source(data, data_spec(cfg), seed=opts.seed, skip_bad_lines=opts.skip_bad_lines)
+        except DataFormatError as exc:
+            raise _with_cli_hint(exc, cfg) from None
+
+
+def _with_cli_hint(exc: DataFormatError, cfg) -> DataFormatError:
+    """The error with a hint that names the CLI command (the data layer's names its Python call)."""
+    if "convert_tsv_to_zarr" not in (exc.hint or "") or cfg is None:
+        return exc
+    what = ("create it for this model" if "create it" in exc.hint else "convert the TSV again for this model "
+            "(a zarr dataset is hashed for one model's table sizes)")
+    return type(exc)(exc.message, hint=data_convert_hint(cfg, what) + ", or pass --data FILE.tsv")
+
+
+def _check_pool_flags(args, pool: Path) -> None:
+    """Flags that only shape a new pool (--tier, --capacity) are refused, not ignored, on an
+    existing one when they ask for something else than it has."""
+    from memory_pool import read_header
+
+    header = read_header(pool)
+    tier, capacity = header.get("tier"), header.get("capacity_bytes")
+    if args.tier not in (None, "auto") and args.tier != tier:
+        raise ConfigMismatchError(
+            f"{args.pool} is a {tier} pool; --tier {args.tier} applies to a new pool only",
+            hint=f"drop --tier to continue the {tier} pool, pass --fresh to start over on {args.tier}, or "
+                 f"`dlrm-cxl export` it and `dlrm-cxl import --tier {args.tier}` into a new --pool")
+    if args.capacity is not None and args.capacity != capacity:
+        has = "no capacity limit" if capacity is None else f"a capacity of {capacity:,} bytes"
+        raise ConfigMismatchError(
+            f"{args.pool} was created with {has}; --capacity {args.capacity:,} bytes applies to a new pool only",
+            hint="drop --capacity to continue the pool as created, or pass --fresh to start over with it")
+
+
+_WHY = {errno.EROFS: "read-only file system", errno.EPERM: "operation not permitted (immutable: chattr +i?)",
+        errno.EACCES: "permission denied"}
+
+
+def not_writable_error(pool, command: str, err: int, name) -> PoolNotWritableError:
+    """The typed error of a command that changes the pool and cannot write ``name`` in it."""
+    return PoolNotWritableError(f"{pool}: `dlrm-cxl {command}` changes the pool but cannot write to it: "
+                                f"{name}: {_WHY.get(err, os.strerror(err))}; nothing was changed")
+
+
+def check_pool_writable(pool, command: str, extra=()) -> None:
+    """Before a command that changes the pool (or deletes it) writes anything: each directory and
+    file of the pool (and of ``extra``, e.g. its shm region) can be written. A read-only mount,
+    ``chattr +i`` or missing permissions refuse the command whole (PoolNotWritableError), not
+    half done (a deletion that removed what it could, a step whose journal could not be
+    written)."""
+    for top in [Path(pool), *map(Path, extra)]:
+        if not top.is_dir():
+            continue
+        for d, _, files in os.walk(top):
+            for name in [d, *(os.path.join(d, f) for f in files)]:
+                if os.path.islink(name) or os.access(name, os.W_OK):
+                    continue
+                try:
+                    ro = bool(os.statvfs(name).f_flag & os.ST_RDONLY)
+                except OSError:
+                    ro = False
+                err = errno.EROFS if ro else errno.EPERM if os.geteuid() == 0 else errno.EACCES
+                raise not_writable_error(pool, command, err, name)

@@ -46,11 +46,17 @@ ConfigMismatchError       2     drop the flag to continue the pool as created, o
                                 start over
 TrainingDivergedError     8     lower the learning rate; the pool is still at the last committed
                                 step
+PoolNotWritableError      2     train, recover, destroy and import write to the pool's directory:
+                                make it writable (remount it read-write, `chattr -i`, or fix its
+                                permissions) or copy the pool somewhere writable; inspect, eval
+                                and export read it as it is
 ========================  ====  ==============================================================
 
 Outside the hierarchy, ``dlrm-cxl`` also exits 2 for any other ``ValueError`` (a bad option),
-6 for a full disk (``OSError`` ENOSPC/EDQUOT), 2 for a path it cannot read or write, 130 when
-interrupted and 1 for anything unexpected.
+6 for a full disk (``OSError`` ENOSPC/EDQUOT), 2 for a path it cannot read or write (a pool
+directory that a command which changes the pool cannot write: ``PoolNotWritableError``), 0 when
+the reader of its output went away (``dlrm-cxl inspect | head``: a closed pipe ends the command
+quietly), 130 when interrupted and 1 for anything unexpected.
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ __all__ = [
     "DataFormatError",
     "ConfigMismatchError",
     "TrainingDivergedError",
+    "PoolNotWritableError",
 ]
 
 
@@ -122,3 +129,14 @@ class TrainingDivergedError(DlrmCxlError):
 
     exit_code = 8
     default_hint = "lower the learning rate; the pool is still at the last committed step"
+
+
+class PoolNotWritableError(DlrmCxlError):
+    """A command that changes the pool (train, recover, destroy, import) cannot write to its
+    directory: a read-only file system (EROFS), an immutable directory (``chattr +i``: EPERM) or
+    missing permissions (EACCES). Nothing was changed."""
+
+    exit_code = 2
+    default_hint = ("train, recover, destroy and import write to the pool's directory: make it writable "
+                    "(remount it read-write, `chattr -i`, or fix its permissions) or copy the pool somewhere "
+                    "writable; inspect, eval and export read it as it is")

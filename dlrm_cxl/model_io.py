@@ -12,7 +12,7 @@ from checkpointing import checkpoint_status, committed_state
 from checkpointing.job import is_job
 from memory_pool import MemoryPool, read_header
 
-from .errors import NeedsRecoveryError, PoolFormatError
+from .errors import InvalidConfigError, NeedsRecoveryError, PoolFormatError
 from .model import PRESETS, ModelConfig, PoolDLRM
 
 __all__ = ["NeedsRecoveryError", "stored_config", "open_model", "load_torchrec_state"]
@@ -59,15 +59,27 @@ def open_model(pool_path, read_only: bool = True) -> tuple[MemoryPool, ModelConf
 def load_torchrec_state(path: Path, cfg: ModelConfig) -> dict:
     """torch.load a TorchRec DLRM state_dict and check its tables against ``cfg`` before any
     pool is created (ValueError naming the problem and, if one fits, the preset to pass)."""
+    hint = ("pass the file `dlrm-cxl export` wrote, or one written by torch.save(dlrm.state_dict()) of a TorchRec "
+            "DLRM (tensors only)")
+    path = Path(path)
+    if not path.exists():
+        raise InvalidConfigError(f"--state {path}: no such file", hint="check the --state path")
+    if path.is_dir():
+        raise InvalidConfigError(f"--state {path}: is a directory, not a file", hint="check the --state path")
     try:
+        # (weights_only: a state_dict is tensors; a file that needs more is not one, and is
+        # never unpickled in full: its torch.load text, which suggests weights_only=False, is
+        # not repeated to the user)
         state = torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise ValueError(f"--state {path}: no such file") from None
-    except Exception as exc:  # torch.load's unpickler raises almost anything on a file that is not its own
-        raise ValueError(f"--state {path}: not a state_dict written by torch.save "
-                         f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
+    except OSError:
+        raise  # (unreadable: main reports the path)
+    except Exception:  # torch.load's unpickler raises almost anything on a file that is not its own
+        raise InvalidConfigError(f"--state {path}: not a state_dict this tool can read (not a torch.save file "
+                                 f"of tensors)", hint=hint) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"--state {path}: not a state_dict (a dict of tensors)")
+        held = "a dict that holds more than tensors" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise InvalidConfigError(f"--state {path}: not a state_dict this tool can read (it holds {held}, not a "
+                                 f"dict of tensors)", hint=hint)
 
     def shapes(c):
         return {f"sparse_arch.embedding_bag_collection.embedding_bags.{f}.weight": (n, c.embedding_dim)

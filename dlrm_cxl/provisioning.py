@@ -26,7 +26,8 @@ from .errors import ConfigMismatchError, PoolFormatError
 from .model import ModelConfig, SparseOptimizer
 from .options import TrainOptions
 
-__all__ = ["TRAINER_POOL_KIND", "create_trainer_pool", "open_training_pool", "create_model_tables",
+__all__ = ["TRAINER_POOL_KIND", "create_trainer_pool", "open_training_pool", "probe_training_pool",
+           "recovery_reason", "create_model_tables",
            "build_dense_optimizer", "capture_dense_state"]
 
 TRAINER_POOL_KIND = "dlrm-cxl-trainer"  # meta["kind"] of a pool made by create_trainer_pool
@@ -76,6 +77,52 @@ def create_trainer_pool(o: TrainOptions, cfg: ModelConfig, *, path: Path | None 
     return pool
 
 
+def probe_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, path: Path | None = None
+                        ) -> tuple[ModelConfig, dict]:
+    """(stored model config, checkpoint status) of the existing trainer pool at ``path``
+    (default ``o.pool``), read without replaying its journal or taking the writer lock, after
+    checking the run's options against what the pool was created with (ConfigMismatchError)."""
+    path = Path(o.pool) if path is None else Path(path)
+    probe = MemoryPool.open(path, read_only=True, rows=False)  # (its meta and journal: no replay)
+    try:
+        meta = probe.meta
+        status = checkpoint_status(probe)
+    finally:
+        probe.close()
+    if "model" not in meta:
+        raise PoolFormatError(f"{path} is a pool but holds no trainer state (created through the API?)",
+                              hint="train into a new --pool directory")
+    stored = ModelConfig.from_dict(meta["model"])
+    if model_cfg is not None and model_cfg != stored:
+        diff = [k for k in asdict(stored) if asdict(stored)[k] != asdict(model_cfg)[k]]
+        raise ConfigMismatchError(f"{path} was created with a different model ({', '.join(diff)} differ)")
+    if o.data != meta.get("data", o.data):
+        raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}")
+    if o.seed != meta.get("seed", o.seed):
+        raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
+    if o.data == "synthetic" and o.zipf_alpha != meta.get("zipf_alpha", o.zipf_alpha):
+        raise ConfigMismatchError(f"{path} was trained with --zipf-alpha {meta.get('zipf_alpha')}, not {o.zipf_alpha}")
+    return stored, status
+
+
+def recovery_reason(status: dict, target: int | None) -> str:
+    """Why a pool is recovered before training, in words (``status``: checkpoint_status;
+    ``target``: the step the ranks of a job agreed on, when it is behind this rank's)."""
+    why = []
+    if status["steps_to_roll_back"]:
+        steps = status["steps_to_roll_back"]
+        why.append(f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
+                   f"{'were' if len(steps) > 1 else 'was'} not committed")
+    if target is not None:
+        why.append(f"committed step {status['committed_step']} is ahead of the job's step {target}, which every "
+                   f"rank committed")
+    if status["torn_bytes"]:
+        why.append(f"{status['torn_bytes']} bytes of unfinished journal records")
+    if not why:
+        why.append("a step was interrupted")
+    return "; ".join(why)
+
+
 def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Callable[[str], None],
                        *, path: Path | None = None, features: list[int] | None = None, coordinator=None):
     """Open (recovering first if needed) or create the pool. Returns (pool, cfg, recovery, created).
@@ -92,25 +139,7 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
         destroy_pool(path)
         log(f"--fresh: removed the pool at {path}")
     if (path / "pool.json").exists():
-        probe = MemoryPool.open(path, read_only=True, rows=False)  # (its meta and journal: no replay)
-        try:
-            meta = probe.meta
-            status = checkpoint_status(probe)
-        finally:
-            probe.close()
-        if "model" not in meta:
-            raise PoolFormatError(f"{path} is a pool but holds no trainer state (created through the API?)",
-                                  hint="train into a new --pool directory")
-        stored = ModelConfig.from_dict(meta["model"])
-        if model_cfg is not None and model_cfg != stored:
-            diff = [k for k in asdict(stored) if asdict(stored)[k] != asdict(model_cfg)[k]]
-            raise ConfigMismatchError(f"{path} was created with a different model ({', '.join(diff)} differ)")
-        if o.data != meta.get("data", o.data):
-            raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}")
-        if o.seed != meta.get("seed", o.seed):
-            raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
-        if o.data == "synthetic" and o.zipf_alpha != meta.get("zipf_alpha", o.zipf_alpha):
-            raise ConfigMismatchError(f"{path} was trained with --zipf-alpha {meta.get('zipf_alpha')}, not {o.zipf_alpha}")
+        stored, status = probe_training_pool(o, model_cfg, path)
         rep = None
         target = None
         if coordinator is not None:
@@ -130,7 +159,7 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
                 log(f"pool opened in {st.open_seconds * 1e3:.0f} ms; {st.rows_deferred - st.run_rows_deferred:,} journal "
                     f"rows{runs} are applied as the steps first read them (replay on demand)")
             if status["needs_recovery"] or status["steps_to_roll_back"] or status["torn_bytes"] or target is not None:
-                log(f"pool {path} needs recovery (steps {status['steps_to_roll_back']} were not committed): recovering")
+                log(f"pool {path} needs recovery ({recovery_reason(status, target)}): recovering")
                 # On the pool this run trains on: its journal is replayed once, not once to recover
                 # and again to train.
                 rep = recover(path, pool=pool, digest=False, target_step=target, rank_of_job=coordinator is not None)

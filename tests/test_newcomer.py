@@ -1,0 +1,240 @@
+"""Issue 28, a newcomer's first hour: resume that just works, flags that are refused rather than
+ignored, no traceback for bad input, messages that say the right thing, help for every flag, and
+the exit codes the README lists. In-process ``main(argv)``, and real processes for the closed pipe
+and the read-only (immutable) pool."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlrm_cxl.cli import main  # noqa: F401  (run_main calls it)
+from dlrm_cxl.cli_args import build_parser
+from memory_pool import MemoryPool, destroy_pool
+from test_cli import CONSOLE_SCRIPT, DIGEST_RE, TINY, TSV, assert_clean_error, run_cli, run_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """A tiny pool trained for 2 steps on the Criteo sample file: (path, digest)."""
+    p = tmp_path_factory.mktemp("newcomer") / "pool"
+    code, out, err = run_main("train", "--pool", p, *TINY, "--data", TSV, "--steps", 2)
+    assert code == 0, err
+    yield p, DIGEST_RE.search(out).group(1)
+    if (p / "pool.json").exists():
+        destroy_pool(p)
+
+
+# --------------------------------------------------------------------------- resume and flags
+
+
+def test_resume_without_data_continues_on_the_file_the_pool_was_trained_on(tmp_path):
+    p = tmp_path / "pool"
+    assert run_main("train", "--pool", p, *TINY, "--data", TSV, "--steps", 2)[0] == 0
+    code, out, err = run_main("train", "--pool", p, "--steps", 3, "--no-progress")
+    assert code == 0, err
+    assert "done: step 3" in out, out
+    # an explicit other --data is still refused, naming the data the pool was trained on
+    code, _, err = run_main("train", "--pool", p, "--steps", 4, "--no-progress", "--data", "synthetic")
+    assert_clean_error(code, err, 2, "was trained on --data", str(TSV))
+
+
+def test_steps_already_reached_says_nothing_to_do_and_exits_0(pool):
+    p, digest = pool
+    code, out, err = run_main("train", "--pool", p, "--steps", 1, "--no-progress", "--data", TSV)
+    assert code == 0, err
+    assert "already at step 2; nothing to do" in out, out
+    assert "step 2 -> 1" not in out + err and "0 recovery points" not in out, out
+    assert f"state_digest {digest}" in out  # nothing was trained
+
+
+@pytest.mark.parametrize("flag, value, needle", [("--tier", "shm", "--tier shm applies to a new pool only"),
+                                                 ("--capacity", "1G", "applies to a new pool only")])
+def test_tier_and_capacity_on_an_existing_pool_are_refused_not_ignored(pool, flag, value, needle):
+    code, _, err = run_main("train", "--pool", pool[0], "--steps", 5, "--no-progress", "--data", TSV, flag, value)
+    assert_clean_error(code, err, 2, needle, "--fresh")
+
+
+def test_a_nonexistent_data_file_is_a_usage_error_and_makes_no_pool(tmp_path):
+    p = tmp_path / "pool"
+    code, _, err = run_main("train", "--pool", p, *TINY, "--data", tmp_path / "missing.tsv", "--steps", 1)
+    assert_clean_error(code, err, 2, "missing.tsv: no such file or directory")
+    assert not p.exists()
+
+
+def test_a_zarr_for_another_preset_is_refused_before_a_pool_is_made_with_the_cli_command(tmp_path):
+    z = tmp_path / "tiny.zarr"
+    assert run_main("data", "convert", TSV, z, "--preset", "tiny")[0] == 0
+    p = tmp_path / "pool"
+    code, _, err = run_main("train", "--pool", p, "--preset", "small", "--data", z, "--steps", 1, "--no-progress")
+    assert_clean_error(code, err, 7, "dlrm-cxl data convert FILE.tsv DIR.zarr --preset small")
+    assert "convert_tsv_to_zarr" not in err
+    assert not p.exists()  # validated first: no half-made pool of hundreds of MB
+
+
+# --------------------------------------------------------------------------- never a traceback
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"foo": 1}', "unknown key 'foo'"),
+    ('{"embedding_dim": "16"}', "key 'embedding_dim' must be an integer"),
+    ("[1, 2]", "not a JSON list"),
+    ('{"bottom_mlp": 3}', "key 'bottom_mlp' must be a list of integers"),
+    ('{"embedding_optimizer": {"lr": "x"}}', "key 'embedding_optimizer.lr' must be a number"),
+])
+def test_a_bad_config_file_is_a_typed_error_naming_the_key(tmp_path, text, needle):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(text)
+    code, _, err = run_main("train", "--pool", tmp_path / "pool", *TINY, "--config", cfg, "--steps", 1)
+    assert_clean_error(code, err, 2, needle)
+    assert not (tmp_path / "pool").exists()
+
+
+def _immutable(path: Path) -> bool:
+    return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("command", [["train", "--steps", "5", "--no-progress"], ["recover"], ["destroy"]])
+def test_a_pool_that_cannot_be_written_is_a_typed_error_and_nothing_is_changed(tmp_path, command):
+    p = tmp_path / "pool"
+    assert run_main("train", "--pool", p, *TINY, "--steps", 2)[0] == 0
+    before = sorted(x.name for x in p.iterdir())
+    if not _immutable(p):
+        pytest.skip("chattr +i is not available here")
+    try:
+        code, _, err = run_main(command[0], "--pool", p, *command[1:])
+        assert_clean_error(code, err, 2, f"`dlrm-cxl {command[0]}` changes the pool but cannot write to it",
+                           "nothing was changed", "chattr -i")
+        if command[0] == "train":  # as a real process too
+            r = run_cli(*command, "--pool", p, console_script=True)
+            assert_clean_error(r.returncode, r.stderr, 2, "cannot write to it")
+        assert run_main("inspect", "--pool", p, "--no-digest")[0] == 0  # readers read it as it is
+    finally:
+        subprocess.run(["chattr", "-i", str(p)], check=True)
+    assert sorted(x.name for x in p.iterdir()) == before
+
+
+def test_a_closed_pipe_ends_the_command_quietly_with_exit_0(pool):
+    """``dlrm-cxl inspect --pool P | head -1``: the reader is gone before the command writes
+    (deterministic: the pipe's read end is closed before the process starts)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([str(CONSOLE_SCRIPT), "inspect", "--pool", str(pool[0])], stdout=w,
+                           stderr=subprocess.PIPE, text=True, timeout=120,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    finally:
+        os.close(w)
+    assert p.returncode == 0, p.stderr
+    assert "Broken pipe" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    # and through a shell pipeline, as setup.sh runs it
+    sh = subprocess.run(["bash", "-c", f"set -o pipefail; '{CONSOLE_SCRIPT}' inspect --pool '{pool[0]}' | head -1"],
+                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert sh.returncode == 0, sh.stderr
+    assert sh.stdout.startswith("pool "), sh.stdout
+    assert "Broken pipe" not in sh.stderr
+
+
+def test_import_of_a_file_that_is_not_a_torch_file_says_so(tmp_path):
+    state = tmp_path / "notes.pt"
+    state.write_text("not a torch file")
+    code, _, err = run_main("import", "--pool", tmp_path / "pool", "--state", state, "--preset", "tiny")
+    assert_clean_error(code, err, 2, "not a state_dict this tool can read")
+    assert "weights_only" not in err
+    assert not (tmp_path / "pool").exists()
+
+
+# --------------------------------------------------------------------------- messages that are wrong
+
+
+def test_import_into_an_existing_pool_does_not_hint_a_fresh_flag_it_lacks(pool, tmp_path):
+    state = tmp_path / "s.pt"
+    assert run_main("export", "--pool", pool[0], "--out", state)[0] == 0
+    code, _, err = run_main("import", "--pool", pool[0], "--state", state, "--preset", "tiny")
+    assert_clean_error(code, err, 2, "already holds a pool", "dlrm-cxl destroy")
+    assert "--fresh" not in err
+
+
+def test_data_convert_of_a_missing_input_names_the_positional_input(tmp_path):
+    code, _, err = run_main("data", "convert", tmp_path / "missing.tsv", tmp_path / "out.zarr")
+    assert_clean_error(code, err, 2, "INPUT", "missing.tsv: no such file")
+    assert "--data" not in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "train", "recover"])
+def test_a_regular_file_as_pool_says_it_is_a_file(tmp_path, command):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    code, _, err = run_main(command, "--pool", f)
+    assert_clean_error(code, err, 3, "is a file")
+    assert "not an empty directory" not in err and "no such directory" not in err
+
+
+def test_recover_dry_run_says_rows_would_be_restored(tmp_path):
+    p = tmp_path / "pool"
+    r = run_cli("train", "--pool", p, *TINY, "--steps", 3, "--crash-at", "3:before-commit", "--writer", "inline")
+    assert r.returncode != 0 and (p / "pool.json").exists(), r.stderr
+    code, out, err = run_main("recover", "--pool", p, "--dry-run", "--no-digest")
+    assert code == 0, err
+    assert "would be consistent" in out and "rows would be restored" in out, out
+    assert not re.search(r"\d+ rows restored", out), out
+
+
+def test_the_recovery_reason_never_shows_an_empty_step_list():
+    from dlrm_cxl.provisioning import recovery_reason
+
+    status = {"steps_to_roll_back": [], "committed_step": 7, "torn_bytes": 0}
+    why = recovery_reason(status, 5)
+    assert "[]" not in why and "ahead of the job's step 5" in why, why
+    assert recovery_reason({**status, "steps_to_roll_back": [8]}, None) == "step 8 was not committed"
+
+
+def test_a_writer_refused_by_the_lock_is_not_told_to_open_read_only(pool):
+    with MemoryPool.open(pool[0]):  # this process is the writer
+        code, _, err = run_main("train", "--pool", pool[0], "--steps", 5, "--no-progress", "--data", TSV)
+    assert_clean_error(code, err, 5, "locked", "wait until the other process ends")
+    assert "inspect/eval do" not in err
+
+
+# --------------------------------------------------------------------------- output: --help, --version, exit codes
+
+
+def _flags(parser) -> list:
+    return [a for a in parser._actions if a.option_strings or a.dest not in ("help", "command", "data_command")]
+
+
+def test_every_flag_of_every_command_has_help_and_version_is_offered():
+    parser = build_parser()
+    subs = [a for a in parser._actions if a.dest == "command"][0].choices
+    data = [a for a in subs["data"]._actions if a.dest == "data_command"][0].choices
+    missing = [(name, a.dest) for name, sp in [*subs.items(), *(("data " + k, v) for k, v in data.items())]
+               for a in _flags(sp) if a.dest not in ("help", "data_command") and not a.help]
+    assert missing == []
+    train_help = subs["train"].format_help()
+    assert "default auto" in train_help and "K, M, G, T" in train_help
+    code, out, _ = run_main("--version")
+    assert code == 0 and re.match(r"dlrm-cxl \S+", out), out
+
+
+def test_the_readme_the_help_and_the_code_list_the_same_exit_codes():
+    from dlrm_cxl import errors
+    from dlrm_cxl.cli_args import EXIT_CODES
+    from memory_pool import errors as pool_errors
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("Exit codes ("):readme.index("Errors print one line")]
+    assert sorted(int(c) for c in re.findall(r"^- `(\d+)`", section, re.M)) == sorted(EXIT_CODES)
+    epilog = build_parser().epilog
+    assert all(re.search(rf"^\s*{c}  ", epilog, re.M) for c in EXIT_CODES)
+    classes = [v for m in (errors, pool_errors) for v in vars(m).values()
+               if isinstance(v, type) and issubclass(v, errors.DlrmCxlError)]
+    assert {c.exit_code for c in classes} <= set(EXIT_CODES)
+    assert errors.PoolNotWritableError.exit_code == 2 and "PoolNotWritableError" in section
+    assert "needs recovery" in section and "NeedsRecoveryError" in section
