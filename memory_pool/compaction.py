@@ -97,7 +97,10 @@ class Compaction:
         return self._compactor.running
 
     def check(self) -> None:
-        """Raise the error of a background job that failed, once (``Compactor.check``)."""
+        """Raise the error of a background job that failed, once (typed: see ``Compactor.check``).
+        The checkpointer looks after every commit (``MemoryPool.compacting``), on the journal
+        writer's thread, whose error reaches the trainer at its next commit -- a failure nobody
+        looked at let the journal grow until the disk filled."""
         self._compactor.check()
 
     def wait(self) -> None:
@@ -269,9 +272,12 @@ class Compaction:
     # -- bulk loads (Table.load_, fill_)
     @contextlib.contextmanager
     def images_held(self):
-        """Around a bulk load into an image: no compaction and no write-back pass runs. One
+        """Around a bulk load of a table into its image (``MemoryPool._bulk_load``): no
+        compaction and no write-back pass runs. Both write the table's older journal rows (the
+        overlay its run rows) into the same image: one running beside the load put them back
+        over the loaded rows (1.0 read where 5.0 was loaded, in memory and after a reopen). One
         running now is waited for (and its error raised); one started meanwhile waits for the
-        lock."""
+        lock, and then finds the reset committed (it skips the rows older than it)."""
         self.wait()
         with self._image_lock:
             yield

@@ -52,6 +52,11 @@ class Replayer:
 
     def plan(self, table_names: set[str], where: Path, *, on_demand: bool) -> tuple[dict[str, list], Arena | None]:
         """The journal's committed rows to replay, read and verified (``replay_plan``)."""
+        # The committed rows of the journal go into this process's private working copy:
+        # memory copies, no system call per row (the image is brought up to date later, by
+        # compaction; the journal keeps them until then, so this is idempotent). Not marked
+        # dirty: they are durable already. Rows that the images' page cache already holds
+        # (below the applied mark: a crash of the trainer, not of the machine) are skipped.
         # On demand (memory_pool/ondemand.py), the rows are read and verified the same way,
         # through a window that keeps the journal mapped, and only indexed here.
         return replay_plan(self.journal, table_names, where, self._compaction.since,

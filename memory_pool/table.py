@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,6 @@ from .tiers import Region, torch_dtype
 from .validation import validate_ids, validate_init, validate_offsets, validate_values
 
 __all__ = ["TableConfig", "Table", "PoolStats"]
-
-if TYPE_CHECKING:
-    from .pool import MemoryPool
 
 
 @dataclass(frozen=True)
@@ -75,6 +72,16 @@ class PoolStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def counted_persist(self, persist: Callable[[], int]) -> int:
+        """``persist()`` (a persist of the pool or of one table: it returns the row bytes
+        persisted), counted here (``persist_calls``, ``bytes_persisted``, ``persist_seconds``)."""
+        t0 = time.perf_counter()
+        n = persist()
+        self.persist_calls += 1
+        self.bytes_persisted += n
+        self.persist_seconds += time.perf_counter() - t0
+        return n
+
 
 class Table:
     """One embedding table of a pool. Get it with :meth:`MemoryPool.table`.
@@ -82,7 +89,8 @@ class Table:
     ``read`` returns copies; ``write`` updates rows in place in the table's home tier.
     """
 
-    def __init__(self, pool: "MemoryPool", cfg: TableConfig, region: Region, cache_rows: int):
+    def __init__(self, pool, cfg: TableConfig, region: Region, cache_rows: int):
+        # (``pool``: the MemoryPool the table belongs to; not imported here, which imports this)
         self.pool = pool
         self.config = cfg
         self._region = region
@@ -212,15 +220,13 @@ class Table:
     def persist(self, ids=None) -> int:
         """Make rows ``ids`` (default: every row written since the last persist) durable."""
         self.pool._check_writable()
-        t0 = time.perf_counter()
-        # (dirty until the transaction is durable: a failed persist leaves them to its retry)
-        ids = self._region.dirty_rows() if ids is None else torch.unique(validate_ids(ids, self.config))
-        n = self.pool.persist_rows([(self, ids)])
-        st = self.pool.stats
-        st.persist_calls += 1
-        st.bytes_persisted += n
-        st.persist_seconds += time.perf_counter() - t0
-        return n
+
+        def persist() -> int:
+            # (dirty until the transaction is durable: a failed persist leaves them to its retry)
+            rows = self._region.dirty_rows() if ids is None else torch.unique(validate_ids(ids, self.config))
+            return self.pool.persist_rows([(self, rows)])
+
+        return self.pool.stats.counted_persist(persist)
 
     def fill_(self, init: str = "uniform", *, scale: float | None = None, seed: int = 0,
               chunk_rows: int = 1 << 18) -> None:

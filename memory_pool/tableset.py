@@ -1,0 +1,166 @@
+"""The tables of an open pool and the memory they live in: one arena (``arena.py``) holding a
+region per table in the pool's tier (``tiers.py``), and the DRAM budget their row caches share
+(``cache.py``). ``MemoryPool`` holds one :class:`TableSet`; its compaction and its replay read it
+as a mapping of table names to tables.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Iterator
+
+from . import fileio
+from .arena import Arena, page_round
+from .cache import RowCache
+from .errors import PoolCorruptError, PoolFullError, TableExistsError, TableNotFoundError
+from .table import Table, TableConfig
+from .tiers import open_region
+from .validation import validate_init, validate_table_config
+
+__all__ = ["TableSet"]
+
+
+class TableSet(Mapping):
+    """The tables of an open pool by name, and the memory they live in (see the module).
+
+    ``owner``: the pool each :class:`Table` belongs to; ``cfgs``: the tables the pool's header
+    lists (the arena reserves room for them and as much again, for tables created later);
+    ``where``: the pool's directory (named in errors); ``storage_dir``: where the table files
+    are; ``dram_cache_bytes``: the DRAM budget (None: every table is served from its home)."""
+
+    def __init__(self, owner, cfgs: list[TableConfig], *, where: Path, tier: str, storage_dir: Path, read_only: bool,
+                 real_pmem: bool, dram_cache_bytes: int | None):
+        self._owner = owner
+        self._where = where
+        self._tier = tier
+        self._storage_dir = storage_dir
+        self._read_only = read_only
+        self._real_pmem = real_pmem
+        self._dram_cache_bytes = dram_cache_bytes
+        self._dram_left = dram_cache_bytes
+        self._by_name: dict[str, Table] = {}
+        self._rows = True   # (open_all: False when the pool was opened without its rows)
+        # One address range for every table (see arena.py); room for tables created later.
+        need = sum(page_round(c.nbytes) for c in cfgs)
+        self.arena: Arena | None = Arena(need + max(need, 16 << 30))
+
+    def __getitem__(self, name: str) -> Table:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def open_all(self, cfgs: list[TableConfig], *, rows: bool = True) -> None:
+        """Attach the tables of an existing pool (their files must exist); none without ``rows``."""
+        self._rows = rows
+        total = sum(c.nbytes for c in cfgs)
+        dram_cache_bytes = self._dram_cache_bytes
+        # When the tables of an existing pool do not all fit the DRAM budget, it is split in
+        # proportion to their sizes, so every table gets a cache of the same fraction of its
+        # rows (the budget covers each cache's map and metadata too).
+        split = dram_cache_bytes is not None and total > dram_cache_bytes
+        for cfg in cfgs if rows else ():
+            share = dram_cache_bytes * cfg.nbytes // total if split else None
+            self._by_name[cfg.name] = self._attach(cfg, create=False, share=share)
+        if split:
+            self._dram_left = 0
+
+    def table(self, name: str) -> Table:
+        """Table ``name`` (``MemoryPool.table``)."""
+        if not self._rows:
+            raise TableNotFoundError(f"pool {self._where} was opened with rows=False: no table is mapped",
+                                     hint="open it with rows=True (the default) to read its tables")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise TableNotFoundError(f"no table {name!r} in pool {self._where} (has: {', '.join(self._by_name) or 'none'})") from None
+
+    def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
+        tier = self._tier
+        file = None if tier == "dram" else self._storage_dir / "tables" / f"{cfg.name}.bin"
+        if not create and file is not None and not file.exists():
+            raise PoolCorruptError(f"{self._where}: table file {file} is missing")
+        region = open_region(self.arena, tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype,
+                             create=create, read_only=self._read_only, real_pmem=self._real_pmem)
+        cache_rows = 0
+        if share is not None:
+            cache_rows = RowCache.slots_for_budget(share, cfg.num_embeddings, cfg.row_bytes)
+        elif self._dram_left is not None:
+            # Tables created in this session get what is left of the budget: a table that fits
+            # what is left is served directly; a larger one gets a cache of what is left --
+            # the cache's row map and slot metadata included, so it never exceeds the budget.
+            # A budget too small for even the map serves the table from its home, uncached.
+            if cfg.nbytes <= self._dram_left:
+                self._dram_left -= cfg.nbytes
+            else:
+                cache_rows = RowCache.slots_for_budget(self._dram_left, cfg.num_embeddings, cfg.row_bytes)
+                self._dram_left = 0
+        return Table(self._owner, cfg, region, cache_rows)
+
+    def add(self, cfg: TableConfig, *, init: str, scale: float | None, seed: int, capacity: int | None,
+            lock: threading.RLock, write_header: Callable[[], None]) -> Table:
+        """A new table (``MemoryPool.create_table``): its file made, filled and durable, then
+        listed, under the header's ``lock``, by ``write_header``. On failure nothing of it is left."""
+        name = cfg.name
+        validate_table_config(cfg)
+        validate_init(init)
+        if name in self._by_name:
+            raise TableExistsError(f"table {name!r} already exists in pool {self._where}")
+        cap = capacity
+        if cap is not None and self.used_bytes() + cfg.nbytes > cap:
+            raise PoolFullError(
+                f"table {name!r} needs {cfg.nbytes} bytes; pool has {cap - self.used_bytes()} of {cap} left")
+        dram_left = self._dram_left
+        table = self._attach(cfg, create=True)
+        try:
+            if init != "zeros":
+                table.fill_(init, scale=scale, seed=seed)
+            if table._region.tier in ("pmem", "power-sim"):
+                # The image and its name durable before the header lists it: a power loss
+                # after the header's write must not leave a table file that is missing or short.
+                fileio.fsync(table._region.fd)
+                fileio.fsync_dir(table._region.path.parent)
+            with lock:  # (no other header write lists the table before this one, or misses it after)
+                self._by_name[cfg.name] = table
+                write_header()
+        except BaseException:
+            with lock:
+                self._dram_left = dram_left
+                self._by_name.pop(cfg.name, None)
+            table._region.close()
+            if table._region.tier != "dram":
+                try:
+                    fileio.unlink(table._region.path)
+                except OSError:
+                    pass
+            raise
+        return table
+
+    def remap(self, table: Table) -> None:
+        """Map ``table``'s file afresh (after a bulk load into it: ``Table.load_``)."""
+        r = table._region
+        self.arena.map_file(r.offset, r.fd, r.nbytes, shared=r.shared, writable=not r.read_only)
+
+    def used_bytes(self) -> int:
+        return sum(t.config.nbytes for t in self._by_name.values())
+
+    def describe(self) -> list[dict]:
+        return [
+            {**asdict(t.config), "bytes": t.config.nbytes, "cached": t.cached,
+             "cache_rows": t._cache.capacity if t._cache else 0}
+            for t in self._by_name.values()
+        ]
+
+    def close(self) -> None:
+        """Release every table's region; the arena goes with the last reference to it."""
+        for t in self._by_name.values():
+            t._region.close()
+            t._region.arena = None
+            t._cache = None
+        self.arena = None
