@@ -13,7 +13,7 @@ nothing (its arguments still evaluated), run with ``PYTHONPATH`` pointing at the
 The default tests (``--tests``): ``tests/test_power_loss.py`` (the layer's own tests, the
 crash-state sweep on power-sim and pmem, and -- as root with loop devices -- the real power
 loss under ext4) plus ``tests/test_pool.py``'s power-sim SIGKILL test, ``tests/test_overlay.py`` and
-``tests/test_journal.py``.
+``tests/test_journal.py`` and the crash matrix of ``tests/test_recovery.py``.
 
 Output: one line per site, ``caught`` with the first failing test, or ``MISSED``; the exit status
 is 1 when any mutant is missed. It takes a few minutes a site on two cores.
@@ -36,7 +36,8 @@ SCANNED = ("memory_pool", "checkpointing")
 CALL = re.compile(r"\b(fileio\.fdatasync|fileio\.fsync_dir|fileio\.fsync|fsync_dir|os\.fdatasync)\(")
 NOOP = "(lambda *_a, **_k: None)("
 DEFAULT_TESTS = ["tests/test_power_loss.py", "tests/test_pool.py::test_power_sim_keeps_exactly_the_persisted_rows_after_sigkill",
-                 "tests/test_overlay.py", "tests/test_journal.py"]
+                 "tests/test_overlay.py", "tests/test_journal.py",
+                 "tests/test_recovery.py::test_crash_at_every_phase_then_recover_and_resume_is_bit_exact"]
 
 __all__ = ["Site", "sites", "mutate", "main"]
 
