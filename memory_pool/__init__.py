@@ -1,7 +1,7 @@
 """memory_pool: embedding tables in a tiered, persistent memory pool.
 
 >>> from memory_pool import MemoryPool
->>> with MemoryPool.create("/tmp/p", tier="pmem") as pool:
+>>> with MemoryPool.create("/tmp/p", tier="auto") as pool:
 ...     t = pool.create_table("user", 1000, 64, init="uniform")
 ...     t.write(torch.tensor([3]), torch.ones(1, 64))
 ...     pool.persist()

@@ -32,7 +32,7 @@ from pathlib import Path
 from .durable import atomic_write, json_crc
 from .header import HEADER
 from .persistence import stale_marks
-from .tiers import shm_root
+from .tiers import TIERS, shm_root, tier_of
 from .writer_lock import LOCK_FILE, try_lock
 
 __all__ = ["RegionInfo", "record_owner", "find_regions", "gc", "region_bytes", "owns_region", "OWNER_FILE",
@@ -66,7 +66,8 @@ def owns_region(header: dict, storage: Path) -> bool:
     an shm pool has files outside its directory, in its own region named after its id. The
     storage_dir of other tiers is where the pool was created, which for a copied or moved pool
     is another pool's directory."""
-    return header.get("tier") == "shm" and storage.name == f"{REGION_PREFIX}{header.get('pool_id')}"
+    tier = header.get("tier")
+    return tier in TIERS and tier_of(tier).files_in_shm and storage.name == f"{REGION_PREFIX}{header.get('pool_id')}"
 
 
 def _crc(body: dict) -> int:

@@ -34,7 +34,7 @@ from .errors import PoolFormatError, PoolReadOnlyError
 from .journal import Journal
 from .overlay import MANIFEST, RUNS_DIR
 from .persistence import AppliedMark, persist_rows
-from .tiers import detect_dax, durability_of, is_journaled
+from .tiers import Tier, detect_dax, tier_of
 from .compaction import Compaction
 from .replay import REPLAY_MODES, Replayer
 from .gather import RowGather, copy_row_gathers, row_gathers, rows_per_pair
@@ -77,25 +77,25 @@ class MemoryPool:
         try:
             cfgs = [TableConfig(t["name"], t["num_embeddings"], t["embedding_dim"], t["dtype"])
                     for t in header["tables"]]
-            self._real_pmem = (self.tier == "pmem" and use_libpmem is not False and libpmem() is not None
+            self._real_pmem = (tier_of(self.tier).dax and use_libpmem is not False and libpmem() is not None
                                and detect_dax(self.storage_dir))
-            self._tables = TableSet(self, cfgs, where=self.path, tier=self.tier, storage_dir=self.storage_dir,
-                                    read_only=read_only, real_pmem=self._real_pmem, dram_cache_bytes=dram_cache_bytes)
+            tier = tier_of(self.tier, real_pmem=self._real_pmem)
+            self._tables = TableSet(self, cfgs, where=self.path, tier=tier, storage_dir=self.storage_dir,
+                                    read_only=read_only, dram_cache_bytes=dram_cache_bytes)
             self._arena = self._tables.arena
-            self.journaled = is_journaled(self.tier, self._real_pmem)
+            self.journaled = tier.journaled
             # Emulated power loss (memory_pool/fileio.py): power-sim always, emulated pmem when
             # the crash tests ask for it. From here on every file operation of the pool is watched.
-            self._watched = self.journaled and not read_only and rows and (
-                self.tier == "power-sim" or os.environ.get(fileio.ENV) == "1")
+            self._watched = self.journaled and not read_only and rows and tier.emulates_power_loss()
             if self._watched:
                 fileio.watch(self.storage_dir)
             runs_dir = self.storage_dir / RUNS_DIR
             has_runs = self.journaled and rows and (runs_dir / MANIFEST).exists()
-            self.journal = open_journal(self.storage_dir, self.tier, journaled=self.journaled, read_only=read_only)
+            self.journal = open_journal(self.storage_dir, tier, read_only=read_only)
             # (the applied mark: the replay skips the rows the images' page cache holds, see Replayer)
             mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / "journal"] + [
                 self.storage_dir / "tables" / f"{t['name']}.bin" for t in self._header["tables"]], self.path) \
-                if self.journaled and self.tier == "pmem" else None
+                if tier.applied_mark else None
             self._compaction = Compaction(
                 self.journal, self._tables, self.stats, storage_dir=self.storage_dir, journaled=self.journaled,
                 rows=rows, mark=mark, has_runs=has_runs, table_names=[t["name"] for t in header["tables"]],
@@ -281,7 +281,7 @@ class MemoryPool:
         """Where the table files (and the checkpointer's files) live: the shm region for the
         shm tier, else the pool directory itself -- wherever it is now, so that a pool that was
         moved, copied, or created through a relative path opens its own files."""
-        if self.tier == "shm":
+        if tier_of(self.tier).files_in_shm:
             return Path(self._header["storage_dir"])
         return self.path
 
@@ -298,12 +298,17 @@ class MemoryPool:
         return bool(self._real_pmem)
 
     @property
+    def tier_info(self) -> Tier:
+        """The pool's :class:`~memory_pool.tiers.Tier`: what survives, how rows persist, where files live."""
+        return tier_of(self.tier, real_pmem=self.real_pmem)
+
+    @property
     def libpmem_used(self) -> bool:
         return self.real_pmem
 
     @property
     def durability(self) -> str:
-        return durability_of(self.tier, real_pmem=self.real_pmem, libpmem_used=self.libpmem_used)
+        return self.tier_info.durability
 
     def tables(self) -> list[str]:
         return list(self._tables)

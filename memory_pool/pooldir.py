@@ -34,22 +34,12 @@ from .journal import Journal
 from .lifecycle import REGION_PREFIX, owns_region, record_owner
 from .persistence import AppliedMark
 from .replay import REPLAY_MODES
-from .tiers import TIERS, libpmem_missing, shm_root
+from .tiers import Tier, libpmem_missing, resolve_tier, shm_root, tier_of
 from .validation import env_mib, is_int, json_copy
 from .writer_lock import take_lock
 
 __all__ = ["resolve_tier", "segment_bytes", "check_libpmem_request", "make_pool_dir", "open_pool_dir", "power_on",
            "open_journal", "destroy_pool"]
-
-
-def resolve_tier(tier: str, path: Path) -> str:
-    if tier == "auto":
-        # Durable beats fast: a fault-tolerant trainer wants rows that survive power loss.
-        # pmem is real when the directory is on a DAX mount, emulated (msync) otherwise.
-        return "pmem"
-    if tier not in TIERS:
-        raise InvalidConfigError(f"tier must be one of {TIERS + ('auto',)}, got {tier!r}")
-    return tier
 
 
 def segment_bytes() -> int:
@@ -60,7 +50,7 @@ def segment_bytes() -> int:
 
 
 def check_libpmem_request(tier: str, use_libpmem: bool | None) -> None:
-    if use_libpmem is True and tier == "pmem" and libpmem() is None:
+    if use_libpmem is True and tier_of(tier).dax and libpmem() is None:
         raise libpmem_missing()
 
 
@@ -71,7 +61,8 @@ def make_pool_dir(path, *, tier: str, capacity_bytes: int | None, dram_cache_byt
     path, the header and the writer lock's descriptor (held); on failure, nothing it made is
     left and the lock is released."""
     path = Path(path)
-    tier = resolve_tier(tier, path)
+    tier = resolve_tier(tier)
+    kind = tier_of(tier)
     for name, v in (("capacity_bytes", capacity_bytes), ("dram_cache_bytes", dram_cache_bytes)):
         if v is not None and (not is_int(v) or v < 0):
             raise InvalidConfigError(f"{name} must be None or an int >= 0, got {v!r}")
@@ -86,12 +77,12 @@ def make_pool_dir(path, *, tier: str, capacity_bytes: int | None, dram_cache_byt
     path.mkdir(parents=True, exist_ok=True)
     lock_fd = take_lock(path)
     pool_id = uuid.uuid4().hex
-    storage = (shm_root() / f"{REGION_PREFIX}{pool_id}") if tier == "shm" else path
+    storage = (shm_root() / f"{REGION_PREFIX}{pool_id}") if kind.files_in_shm else path
     try:
         if (path / HEADER).exists():  # a concurrent create won the race
             raise PoolExistsError(f"{path} already holds a pool")
         (storage / "tables").mkdir(parents=True, exist_ok=True)
-        if tier == "shm":
+        if kind.files_in_shm:
             # Names the pool that owns the region, so that `dlrm-cxl gc` can tell a region
             # whose directory was deleted by hand (rm -rf) from one in use.
             record_owner(storage, path.resolve(), pool_id)
@@ -111,7 +102,7 @@ def make_pool_dir(path, *, tier: str, capacity_bytes: int | None, dram_cache_byt
     except BaseException:
         # Undo what this call made (we hold the lock), so that a retry finds no debris.
         if not (path / HEADER).exists():
-            if tier == "shm":
+            if kind.files_in_shm:
                 shutil.rmtree(storage, ignore_errors=True)
             shutil.rmtree(path / "tables", ignore_errors=True)
             for leftover in (path / f".{HEADER}.tmp", path / "LOCK"):
@@ -138,9 +129,10 @@ def open_pool_dir(path: Path, *, read_only: bool, consistent: bool, dram_cache_b
         raise InvalidConfigError(f"dram_cache_bytes must be None or an int >= 0, got {dram_cache_bytes!r}")
     header = read_header(path)
     check_libpmem_request(header["tier"], use_libpmem)
-    if header["tier"] == "dram":
+    kind = tier_of(header["tier"])
+    if not kind.reopenable:
         raise PoolVolatileError(f"{path} is a dram pool: its rows lived in the process that created it")
-    if header["tier"] == "shm" and not Path(header["storage_dir"]).is_dir():
+    if kind.files_in_shm and not Path(header["storage_dir"]).is_dir():
         raise PoolVolatileError(
             f"{path}: shm region {header['storage_dir']} is gone (the machine was restarted?)",
             hint="shm pools survive a trainer crash, not a reboot; use --tier pmem for that")
@@ -152,7 +144,7 @@ def open_pool_dir(path: Path, *, read_only: bool, consistent: bool, dram_cache_b
         lock_fd = take_lock(path, shared=True) if consistent else None
     else:
         lock_fd = take_lock(path)
-    if header["tier"] in ("pmem", "power-sim") and fileio.pending(path):
+    if kind.may_lose_power and fileio.pending(path):  # (one a crashed writer may have left)
         header = power_on(path, header, locked=lock_fd is not None and not read_only)
     return header, lock_fd
 
@@ -177,17 +169,16 @@ def power_on(path: Path, header: dict, *, locked: bool) -> dict:
     return read_header(path)
 
 
-def open_journal(storage_dir: Path, tier: str, *, journaled: bool, read_only: bool) -> Journal:
+def open_journal(storage_dir: Path, tier: Tier, *, read_only: bool) -> Journal:
     """The pool's journal, opened, with the unfinished tail of persisted rows dropped."""
     # The pool's journal: rows persisted on a journaled tier, and the checkpointer's
     # records on every tier. Synced except where a sync means nothing (shm is RAM and
     # survives only a trainer crash; a dram pool survives nothing); there, records are
     # copied into a mapping of the segment instead of written (see "Mapped segments").
-    in_ram = tier in ("shm", "dram")
-    journal = Journal(storage_dir / "journal", sync=not in_ram, mapped=in_ram,
-                      direct=not in_ram, read_only=read_only, segment_bytes=segment_bytes())
+    journal = Journal(storage_dir / "journal", sync=tier.journal_synced, mapped=tier.journal_mapped,
+                      direct=tier.journal_direct, read_only=read_only, segment_bytes=segment_bytes())
     try:
-        if journaled and not read_only and all(r.tag < 0 for r in journal.tail) and (
+        if tier.journaled and not read_only and all(r.tag < 0 for r in journal.tail) and (
                 journal.tail or journal.torn_bytes):
             # An unfinished transaction of persisted rows (or a torn record): never vouched
             # for, never replayed. Drop it so that the next transaction does not end up

@@ -275,7 +275,7 @@ class Table:
                 self.pool._remap(self)
                 region.take_dirty()
                 self.pool._note_reset(self.name)
-            elif self.pool.tier == "pmem":
+            elif self.pool.tier_info.real_pmem:
                 region.flush_rows(torch.arange(self.num_embeddings))
         if self._cache is not None:
             self._cache = RowCache(region.tensor, self._cache.capacity)

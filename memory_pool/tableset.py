@@ -17,7 +17,7 @@ from .arena import Arena, page_round
 from .cache import RowCache
 from .errors import PoolCorruptError, PoolFullError, TableExistsError, TableNotFoundError
 from .table import Table, TableConfig
-from .tiers import open_region
+from .tiers import Tier, open_region
 from .validation import validate_init, validate_table_config
 
 __all__ = ["TableSet"]
@@ -31,14 +31,13 @@ class TableSet(Mapping):
     ``where``: the pool's directory (named in errors); ``storage_dir``: where the table files
     are; ``dram_cache_bytes``: the DRAM budget (None: every table is served from its home)."""
 
-    def __init__(self, owner, cfgs: list[TableConfig], *, where: Path, tier: str, storage_dir: Path, read_only: bool,
-                 real_pmem: bool, dram_cache_bytes: int | None):
+    def __init__(self, owner, cfgs: list[TableConfig], *, where: Path, tier: Tier, storage_dir: Path, read_only: bool,
+                 dram_cache_bytes: int | None):
         self._owner = owner
         self._where = where
         self._tier = tier
         self._storage_dir = storage_dir
         self._read_only = read_only
-        self._real_pmem = real_pmem
         self._dram_cache_bytes = dram_cache_bytes
         self._dram_left = dram_cache_bytes
         self._by_name: dict[str, Table] = {}
@@ -83,11 +82,11 @@ class TableSet(Mapping):
 
     def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
         tier = self._tier
-        file = None if tier == "dram" else self._storage_dir / "tables" / f"{cfg.name}.bin"
+        file = self._storage_dir / "tables" / f"{cfg.name}.bin" if tier.has_files else None
         if not create and file is not None and not file.exists():
             raise PoolCorruptError(f"{self._where}: table file {file} is missing")
         region = open_region(self.arena, tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype,
-                             create=create, read_only=self._read_only, real_pmem=self._real_pmem)
+                             create=create, read_only=self._read_only)
         cache_rows = 0
         if share is not None:
             cache_rows = RowCache.slots_for_budget(share, cfg.num_embeddings, cfg.row_bytes)
@@ -121,7 +120,7 @@ class TableSet(Mapping):
         try:
             if init != "zeros":
                 table.fill_(init, scale=scale, seed=seed)
-            if table._region.tier in ("pmem", "power-sim"):
+            if self._tier.files_in_pool_dir:
                 # The image and its name durable before the header lists it: a power loss
                 # after the header's write must not leave a table file that is missing or short.
                 fileio.fsync(table._region.fd)
@@ -134,7 +133,7 @@ class TableSet(Mapping):
                 self._dram_left = dram_left
                 self._by_name.pop(cfg.name, None)
             table._region.close()
-            if table._region.tier != "dram":
+            if self._tier.has_files:
                 try:
                     fileio.unlink(table._region.path)
                 except OSError:

@@ -31,6 +31,7 @@ import mmap
 import os
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,10 +42,7 @@ from ._native import libpmem
 from .arena import Arena
 from .errors import InvalidConfigError, PoolCorruptError, PoolFullError
 
-__all__ = ["TIERS", "Region", "FileRegion", "open_region", "shm_root", "detect_dax", "durability_of", "is_journaled"]
-
-TIERS = ("dram", "shm", "pmem", "power-sim")
-
+__all__ = ["TIERS", "Tier", "tier_of", "resolve_tier", "DEFAULT_TIER", "Region", "FileRegion", "open_region", "shm_root", "detect_dax", "durability_of", "is_journaled"]
 
 def shm_root() -> Path:
     return Path(os.environ.get("DLRM_CXL_SHM_DIR", "/dev/shm"))
@@ -68,19 +66,103 @@ def detect_dax(path: str | os.PathLike) -> bool:
     return dax
 
 
+@dataclass(frozen=True)
+class Tier:
+    """What a tier is, in one place: every other module asks this object, never a tier's name.
+
+    ``name``: the tier as the header and ``--tier`` spell it. ``durability``: what survives, as
+    the banner (and ``describe``) prints it. ``journaled``: rows are persisted through the pool's
+    journal (emulated pmem, power-sim); otherwise a region persists them itself or not at all.
+    ``has_files``: the rows live in table files (all but dram); ``files_in_shm``: those files,
+    and the journal, live in the pool's own shm region, not in the pool directory.
+    ``journal_mapped`` / ``journal_synced`` / ``journal_direct``: how the journal writes (RAM
+    tiers: copied into a mapping of the segment, never synced; others: direct, synced).
+    ``applied_mark``: write-back passes keep an applied mark in RAM (emulated pmem).
+    ``power_loss``: the emulated power loss (memory_pool/fileio.py): ``"always"`` (power-sim),
+    ``"on request"`` (emulated pmem, under ``fileio.ENV``) or ``"never"``. ``reopenable``: a
+    pool of it can be opened again by another process (dram: never; shm: while its region
+    exists). ``dax``: real on a DAX mount with libpmem, emulated elsewhere (pmem);
+    ``real_pmem``: this is the real one (rows flushed with cache-line flushes)."""
+
+    name: str
+    durability: str
+    journaled: bool
+    has_files: bool
+    files_in_shm: bool
+    journal_mapped: bool
+    journal_synced: bool
+    journal_direct: bool
+    applied_mark: bool
+    power_loss: str
+    reopenable: bool
+    dax: bool = False
+    real_pmem: bool = False
+
+    @property
+    def files_in_pool_dir(self) -> bool:
+        """Table files in the pool directory: durable media, synced before the header names them."""
+        return self.has_files and not self.files_in_shm
+
+    @property
+    def may_lose_power(self) -> bool:
+        """A crashed writer of this tier may have left an emulated power loss to power on."""
+        return self.power_loss != "never"
+
+    def emulates_power_loss(self) -> bool:
+        """Whether a writable pool of this tier runs under the emulated power loss now."""
+        return self.power_loss == "always" or (self.power_loss == "on request" and os.environ.get(fileio.ENV) == "1")
+
+
+def _tier(name: str, durability: str, *, journaled: bool = False, files: str = "pool", applied_mark: bool = False,
+          power_loss: str = "never", dax: bool = False, real_pmem: bool = False) -> Tier:
+    in_ram = files != "pool"   # (shm, dram: a sync means nothing there)
+    return Tier(name, durability, journaled=journaled, has_files=files != "none", files_in_shm=files == "shm",
+                journal_mapped=in_ram, journal_synced=not in_ram, journal_direct=not in_ram,
+                applied_mark=applied_mark, power_loss=power_loss, reopenable=files != "none", dax=dax,
+                real_pmem=real_pmem)
+
+
+_BY_NAME = {
+    "dram": _tier("dram", "none: rows live in this process and are lost when it ends", files="none"),
+    "shm": _tier("shm", "survives a trainer crash (memory outside the process); lost at reboot or power loss",
+                 files="shm"),
+    "pmem": _tier("pmem", "survives power loss once persisted (emulated pmem: byte-granular journal with group "
+                          "commit on an ordinary filesystem; any crash keeps exactly what was persisted)",
+                  journaled=True, applied_mark=True, power_loss="on request", dax=True),
+    "power-sim": _tier("power-sim", "emulated power loss: at any crash only persisted stores survive "
+                                    "(byte-granular journal)", journaled=True, power_loss="always"),
+}
+_REAL_PMEM = _tier("pmem", "survives power loss once persisted (real pmem: libpmem cache flushes on a DAX mount)",
+                   dax=True, real_pmem=True)
+TIERS = tuple(_BY_NAME)
+AUTO = "auto"
+DEFAULT_TIER = "pmem"   # what "auto" resolves to: durable beats fast
+
+
+def tier_of(name: str, *, real_pmem: bool = False) -> Tier:
+    """The :class:`Tier` named ``name``; ``real_pmem`` (pmem only): on a DAX mount with libpmem."""
+    tier = _BY_NAME.get(name)
+    if tier is None:
+        raise InvalidConfigError(f"unknown tier {name!r}; expected one of {TIERS + (AUTO,)}")
+    return _REAL_PMEM if real_pmem and tier.dax else tier
+
+
+def resolve_tier(tier: str) -> str:
+    """A tier's name as ``create`` takes it (``auto`` included), resolved and checked."""
+    if tier == AUTO:
+        # Durable beats fast: a fault-tolerant trainer wants rows that survive power loss.
+        # pmem is real when the directory is on a DAX mount, emulated (msync) otherwise.
+        return DEFAULT_TIER
+    if tier not in TIERS:
+        raise InvalidConfigError(f"tier must be one of {TIERS + (AUTO,)}, got {tier!r}")
+    return tier
+
+
 def durability_of(tier: str, *, real_pmem: bool = False, libpmem_used: bool = False) -> str:
-    if tier == "dram":
-        return "none: rows live in this process and are lost when it ends"
-    if tier == "shm":
-        return "survives a trainer crash (memory outside the process); lost at reboot or power loss"
-    if tier == "pmem":
-        if real_pmem:
-            return "survives power loss once persisted (real pmem: libpmem cache flushes on a DAX mount)"
-        return ("survives power loss once persisted (emulated pmem: byte-granular journal with group commit "
-                "on an ordinary filesystem; any crash keeps exactly what was persisted)")
-    if tier == "power-sim":
-        return "emulated power loss: at any crash only persisted stores survive (byte-granular journal)"
-    raise ValueError(f"unknown tier {tier!r}")
+    """What survives on ``tier`` (the banner's text): ``tier_of(tier, real_pmem=...).durability``."""
+    if tier not in _BY_NAME:
+        raise ValueError(f"unknown tier {tier!r}")
+    return tier_of(tier, real_pmem=real_pmem).durability
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -359,17 +441,15 @@ def libpmem_missing() -> InvalidConfigError:
 
 def is_journaled(tier: str, real_pmem: bool) -> bool:
     """Whether rows of this tier are persisted through the pool's journal."""
-    return tier == "power-sim" or (tier == "pmem" and not real_pmem)
+    return tier_of(tier, real_pmem=real_pmem).journaled
 
 
-def open_region(arena: Arena, tier: str, path: Path | None, rows: int, dim: int, dtype: str, *, create: bool,
-                read_only: bool = False, real_pmem: bool = False) -> Region:
-    if tier == "dram":
+def open_region(arena: Arena, tier: Tier, path: Path | None, rows: int, dim: int, dtype: str, *, create: bool,
+                read_only: bool = False) -> Region:
+    if not tier.has_files:
         return DramRegion(arena, rows, dim, dtype)
-    if tier == "pmem" and real_pmem:
+    if tier.real_pmem:
         return PmemRegion(arena, path, rows, dim, dtype, lib=libpmem(), create=create, read_only=read_only)
-    if tier in ("shm", "pmem", "power-sim"):
-        journaled = is_journaled(tier, real_pmem)
-        return FileRegion(arena, path, rows, dim, dtype, tier=tier, create=create, read_only=read_only,
-                          shared=tier == "shm", journaled=journaled)
-    raise InvalidConfigError(f"unknown tier {tier!r}; expected one of {TIERS + ('auto',)}")
+    # The working copy: the file mapped shared (shm), or privately over a journaled image.
+    return FileRegion(arena, path, rows, dim, dtype, tier=tier.name, create=create, read_only=read_only,
+                      shared=not tier.journaled, journaled=tier.journaled)
