@@ -602,7 +602,10 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
                                       text=True, timeout=600, cwd=REPO, env=env))
         assert info["step"] == steps and info["state_digest"] == doc["state_digest"]
         assert not info["checkpoint"]["needs_recovery"]
-    assert live[1] < 2 * max(live[0], 1 << 20), live
+    # (2 MiB: the threshold plus what a compaction still running at the end lets through, as in
+    # the bound above; whether the last one finished before the run closed is timing. Keeping the
+    # first run's journal would add its ~6 MB.)
+    assert live[1] < 2 * max(live[0], 2 << 20), live
     assert files[1] < 2 * max(files[0], 1 << 20), files  # recycled segments: the files do not grow either
 
 
