@@ -287,6 +287,10 @@ def loop_refs(tmp_path_factory):
         tier: cli.step_digests(["train", "--pool", str(d / tier), *_loop_flags(tier)], 20)
         for tier in ("pmem", "power-sim")}
     cli.close()
+    from memory_pool import destroy_pool
+
+    for pool in d.iterdir():   # (a pmem pool's applied mark lives in /dev/shm: destroy removes it)
+        destroy_pool(pool)
 
 
 def _loop_flags(tier):
