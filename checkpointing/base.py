@@ -44,6 +44,10 @@ class Step:
     gathered: Future | None = None                  # -> ``before``, once they are copied
     undo: Future | None = None                      # the UNDO records' durability
     updated: bool = False
+    txn: object = None                              # its memory_pool.Transaction (undo log)
+    complete: bool = True                           # every touched row is logged (abort can undo it)
+    logged: list | None = None                      # the rows logged: [(Table, ids)]
+    witness: dict | None = None                     # what a replay checks (loss bits, data position)
 
 
 @dataclass
@@ -95,7 +99,17 @@ class Checkpointer(abc.ABC):
     def update(self, fn: Callable[[], None]) -> None: ...
 
     @abc.abstractmethod
-    def commit(self, step: int, *, final: bool = False) -> None: ...
+    def commit(self, step: int, *, final: bool = False, witness: dict | None = None) -> None:
+        """Step ``step`` is done. ``witness``: what a replay must reproduce (the loss's bits,
+        the data position), kept with the step's commit record where the implementation has one."""
+
+    @property
+    def window(self) -> int:
+        """Steps per recovery window (1: a recovery point every step)."""
+        return 1
+
+    def observe_step(self, seconds: float) -> None:
+        """The trainer measured a step's time (a window chosen from a time budget follows it)."""
 
     @abc.abstractmethod
     def checkpoint_now(self, step: int) -> None:
@@ -142,4 +156,4 @@ class Checkpointer(abc.ABC):
         except BaseException:
             self.abort()
             raise
-        self.commit(k, final=final)
+        self.commit(k, final=final, witness=self._cur.witness if self._cur is not None else None)

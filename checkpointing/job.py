@@ -99,8 +99,8 @@ class JobRecoveryReport:
         return d
 
 
-def recover_path(path, *, dry_run: bool = False, digest: bool = True,
-                 crash_phase: str | None = None) -> RecoveryReport | JobRecoveryReport:
+def recover_path(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
+                 no_replay: bool = False) -> RecoveryReport | JobRecoveryReport:
     """Recover whatever ``path`` holds: the entry point for a path a user gives (``dlrm-cxl recover``).
 
     A job of several ranks (``DIR/job.json``): every rank is brought to the newest step all ranks
@@ -109,8 +109,10 @@ def recover_path(path, *, dry_run: bool = False, digest: bool = True,
     refuses one rank of a job alone.
     """
     if is_job(path):
+        # (the ranks stop at the common recovery point: a replay needs every rank together,
+        # which `torchrun ... dlrm_cxl train` does as it resumes)
         return recover_job(path, dry_run=dry_run, digest=digest)
-    return recover(path, dry_run=dry_run, digest=digest, crash_phase=crash_phase)
+    return recover(path, dry_run=dry_run, digest=digest, crash_phase=crash_phase, no_replay=no_replay)
 
 
 def recover_job(path, *, dry_run: bool = False, digest: bool = True) -> JobRecoveryReport:

@@ -7,13 +7,12 @@ from __future__ import annotations
 from memory_pool import MemoryPool
 from memory_pool import fileio
 from memory_pool.durable import atomic_write, fsync_dir
-from memory_pool.records import encode_rows
-from memory_pool.segment_format import RecordType
 
 from .base import Checkpointer, CheckpointStats, Step
 from .crash import CrashPlan
 from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc
-from .undo import DenseStateFn, default_compact_bytes
+from .policy import default_compact_bytes
+from .undo import DenseStateFn
 
 __all__ = ["NoCheckpointer"]
 
@@ -73,7 +72,7 @@ class NoCheckpointer(Checkpointer):
     def mark_updated(self) -> None:
         pass
 
-    def commit(self, step, *, final=False):
+    def commit(self, step, *, final=False, witness=None):
         self.stats.steps += 1
         for phase in ("mid-dense", "before-commit"):
             self.hit(phase)
@@ -88,29 +87,29 @@ class NoCheckpointer(Checkpointer):
             t_bytes = 0
             taken = []
             try:
+                txn = pool.begin(step)
                 for name in pool.tables():
                     t = pool.table(name)
                     ids = t.take_dirty()
                     taken.append((t, ids))
                     if ids.numel() and pool.journaled:
-                        j.append(RecordType.ROWS, step, encode_rows(name, ids, t.view().index_select(0, ids)))
-                        t_bytes += ids.numel() * (8 + t.config.row_bytes)
+                        t_bytes += txn.rows([(t, ids)])
                     elif ids.numel():
                         pool.persist_rows([(t, ids)])
                 parts, d_bytes = self._packer.pack(self.dense_state(step))
-                j.append(RecordType.DENSE, step, parts)
-                txn = j.end(step, commit_doc(step))
+                txn.dense(parts)
+                info = txn.commit(commit_doc(step))
             except BaseException:
                 for t, ids in taken:  # not durable (a full disk): dirty again, for the retry
                     t.mark_dirty(ids)
                 raise
-            if j.live_bytes >= default_compact_bytes(pool):
+            if j.live_bytes >= default_compact_bytes(pool.journaled):
                 # Bounded as the undo log's: what precedes this transaction (the recovery point,
                 # kept) is written back and dropped. Without it every run of a journaled pool
                 # added its changed rows to the journal, and every open replayed them all (27 s
                 # for a `kaggle` pool after a few runs).
                 j.rotate()
-                pool.compact(txn.first_seq, wait=True)
+                pool.compact(info.first_seq, wait=True)
             self.stats.table_bytes_persisted += t_bytes
             self.stats.dense_bytes += d_bytes
         try:

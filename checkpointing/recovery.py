@@ -28,17 +28,20 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from memory_pool import MemoryPool, fileio
+from memory_pool import MemoryPool, decode_logged_mark, decode_row_set, fileio, record_kind, undo_group_of
 from memory_pool.errors import PoolCorruptError, PoolFormatError, RecoveryError
-from memory_pool.records import decode_logged_mark, decode_row_set, encode_rows, undo_group_of
-from memory_pool.segment_format import RecordType
 
 from .crash import CrashPlan
 from .digest import state_digest
 from .jobdir import is_job, job_of_rank
 from .store import RUNNING_MARKER, ckpt_dir, commit_doc, is_commit, unpack_dense
 
-__all__ = ["recover", "RecoveryReport", "checkpoint_status", "committed_state", "recover_pool", "tail_damage"]
+__all__ = ["recover", "RecoveryReport", "checkpoint_status", "committed_state", "recover_pool", "tail_damage",
+           "replay_witnesses", "WITNESS_KEYS"]
+
+# What a step's commit record holds for its replay (checkpointing.undo): the loss's exact bits and
+# the data position of its batch.
+WITNESS_KEYS = ("loss", "position")
 
 
 @dataclass
@@ -52,6 +55,14 @@ class RecoveryReport:
     seconds: float = 0.0
     actions: list[str] = field(default_factory=list)
     state_digest: str | None = None
+    # Recovery windows: the committed steps after the recovery point restored (``committed_step``,
+    # the window's start) that a replay re-runs (dlrm_cxl.replay), how many it re-ran, where it
+    # stopped and why (None: it reached them all), and its time.
+    replay_steps: list[int] = field(default_factory=list)
+    replayed: int = 0
+    replay_stopped: str | None = None
+    replay_seconds: float = 0.0
+    restored_step: int | None = None   # the recovery point restored (the window's start)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,13 +81,46 @@ def committed_state(pool: MemoryPool, step: int | None = None) -> tuple[int | No
     if not commits:
         return None, None
     txn = commits[-1]
-    dense = [r for r in txn.records if r.type == RecordType.DENSE]
+    dense = [r for r in txn.records if record_kind(r) == "dense"]
     if not dense:
         raise RecoveryError(f"the commit of step {txn.tag} holds no dense state")
     try:
         return txn.tag, unpack_dense(pool.journal.read(dense[-1]))
     except PoolCorruptError as exc:
         raise RecoveryError(f"{exc.message} (dense state of step {txn.tag})") from None
+
+
+def _witness(doc: dict) -> dict | None:
+    if not isinstance(doc, dict) or "loss" not in doc:
+        return None
+    return {k: doc.get(k) for k in WITNESS_KEYS}
+
+
+def _witnesses_after(pool: MemoryPool, txn) -> dict[int, dict]:
+    """``{step: witness}`` of the committed steps after the recovery point ``txn``: those its own
+    commit record carries (a replay that had not finished) and those of the transactions after
+    it (each step's commit record), the newer winning."""
+    out: dict[int, dict] = {}
+    for k, w in txn.doc.get("replay") or []:
+        if isinstance(k, int) and k > txn.tag and isinstance(w, dict):
+            out[k] = w
+    for t in pool.journal.txns:
+        if t.end.seq > txn.end.seq and t.tag > txn.tag and (w := _witness(t.doc)) is not None:
+            out[t.tag] = w
+    return out
+
+
+def replay_witnesses(pool: MemoryPool) -> dict[int, dict]:
+    """``{step: {"loss": bits, "position": ...}}``: the committed steps after the pool's newest
+    recovery point, which a replay re-runs and checks (recovery windows: checkpointing.policy).
+    Empty when the pool is at its newest committed step."""
+    commits = _commits(pool)
+    return _witnesses_after(pool, commits[-1]) if commits else {}
+
+
+def _span(steps: list[int]) -> str:
+    steps = sorted(steps)
+    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
 def tail_damage(j) -> str | None:
@@ -103,19 +147,19 @@ def tail_damage(j) -> str | None:
     """
     held = {r.seq: r for r in j.tail}
     for m in j.tail:
-        if m.type != RecordType.LOGGED:
+        if record_kind(m) != "logged":
             continue
         try:
             first, n = decode_logged_mark(j.read(m))
         except (PoolCorruptError, ValueError) as exc:
             return f"undo log damaged: the logged mark of step {m.tag} (journal record {m.seq}): {exc}"
         undo = [held.get(s) for s in range(first, first + n)]
-        if m.seq != first + n or any(r is None or r.type != RecordType.UNDO or r.tag != m.tag for r in undo):
+        if m.seq != first + n or any(r is None or record_kind(r) != "undo" or r.tag != m.tag for r in undo):
             return (f"undo log damaged: the logged mark of step {m.tag} (journal record {m.seq}) vouches for "
                     f"undo records {first}..{first + n - 1}, which the journal does not hold")
     if not j.tail_damage:
         return None  # no bad record with records after it: torn at most
-    marks = [r for r in j.tail_beyond if r.type == RecordType.LOGGED]
+    marks = [r for r in j.tail_beyond if record_kind(r) == "logged"]
     if marks:
         return (f"undo log damaged: {j.tail_damage}; it lies before the logged mark of step {marks[0].tag} "
                 f"(journal record {marks[0].seq}): that step's rows had begun to change, and its undo records "
@@ -125,7 +169,7 @@ def tail_damage(j) -> str | None:
     groups = set()
     for r in j.tail_beyond:
         try:
-            groups.add(undo_group_of(j.read(r)) if r.type == RecordType.UNDO else None)
+            groups.add(undo_group_of(j.read(r)) if record_kind(r) == "undo" else None)
         except PoolCorruptError:
             groups.add(None)
     if len(groups) == 1 and None not in groups and min(groups) <= bad:
@@ -147,15 +191,21 @@ def checkpoint_status(pool: MemoryPool) -> dict:
     # Journaled tiers: the rows of unfinished steps never reached durable media; opening the
     # pool already shows the newest commit, so readers need no recovery (the next writer drops
     # the unfinished records). Direct tiers: those steps changed rows in place.
-    undo_in_tail = any(r.type == RecordType.UNDO for r in j.tail) if j is not None else False
+    undo_in_tail = any(record_kind(r) == "undo" for r in j.tail) if j is not None else False
+    # Recovery windows: steps committed after the recovery point (their records are the replay's
+    # witnesses; on a direct tier their rows changed in place since it).
+    later = [t for t in j.txns if commits and t.end.seq > commits[-1].end.seq] if j is not None else []
+    replay = sorted(replay_witnesses(pool)) if j is not None else []
     return {
         "committed_step": c,
+        "replay_steps": replay,
+        "newest_step": replay[-1] if replay else c,
         "journal_bytes": j.live_bytes if j is not None else 0,
         "steps_to_roll_back": tail_steps,
         "torn_bytes": j.torn_bytes if j is not None else 0,
         "damaged": damaged,
         "trained_without_undo": marker,
-        "needs_recovery": bool((undo_in_tail and not pool.journaled) or damaged or marker),
+        "needs_recovery": bool((undo_in_tail and not pool.journaled) or damaged or marker or later or replay),
     }
 
 
@@ -170,7 +220,7 @@ def _plan(pool: MemoryPool, target: int | None):
             hint="start over with `dlrm-cxl train --fresh`, or restore the pool from a copy")
     commits = _commits(pool)
     if not commits:
-        if any(r.type == RecordType.UNDO for r in j.tail):
+        if any(record_kind(r) == "undo" for r in j.tail):
             # Step 0 is committed before any step runs, so logged steps without a commit mean
             # the commit was lost: their rows cannot be brought back to a known state.
             raise RecoveryError(f"{pool.path}: the journal holds undo records of steps "
@@ -192,7 +242,7 @@ def _plan(pool: MemoryPool, target: int | None):
     _, dense = committed_state(pool, txn.tag)
     later = [t for t in j.txns if t.end.seq > txn.end.seq]
     refs = [r for t in later for r in t.records] + list(j.tail)
-    undo = [r for r in refs if r.type == RecordType.UNDO]
+    undo = [r for r in refs if record_kind(r) == "undo"]
     # (direct tiers: with the records past a torn spot before a step's logged mark, which are
     # dropped with it: that step is rolled back too, its rows never having changed)
     dropped = [] if pool.journaled else j.tail_beyond
@@ -213,13 +263,13 @@ def _plan(pool: MemoryPool, target: int | None):
                 raise RecoveryError(f"undo record of step {ref.tag}: record for {name!r} does not fit the table")
             undo_plan.append((ref.tag, t, ids, raw))
     if target is not None and target < newest.tag and pool.journaled and not any(
-            r.type == RecordType.UNDO for t in later for r in t.records):
+            record_kind(r) == "undo" for t in later for r in t.records):
         raise RecoveryError(f"cannot roll back committed steps after {target}: no undo records were kept")
     return txn, dense, undo_plan, steps
 
 
 def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
-                 target_step: int | None = None) -> RecoveryReport:
+                 target_step: int | None = None, no_replay: bool = False) -> RecoveryReport:
     """Recover an open pool (writable unless ``dry_run``). See the module docstring.
 
     ``crash_phase``: kill the process at that moment of recovery (one of
@@ -228,6 +278,9 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
     t0 = time.perf_counter()
     txn, dense, undo_plan, steps = _plan(pool, target_step)
     rep = RecoveryReport(str(pool.path), txn.tag if txn else None, bool(steps or pool.journal.tail), dry_run)
+    rep.restored_step = rep.committed_step
+    if txn is not None:
+        rep.replay_steps = sorted(_witnesses_after(pool, txn))
     if txn is None:
         rep.actions.append("no commit record: the pool holds no training state; nothing to do")
     if pool.journal.tail_damage and not pool.journaled:  # (and not damage: _plan said so)
@@ -256,18 +309,29 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
         dropped = pool.journal.truncate_tail()
         if dropped:
             rep.actions.append(f"dropped {dropped} bytes of unfinished journal records")
-        if txn is not None and txn is not _commits(pool)[-1]:
-            # Several ranks: make the target the newest recovery point again -- the restored
-            # rows (journaled tiers: they exist durably only through the journal) and a copy of
-            # the target's dense state, then the commit record.
-            j = pool.journal
+        witnesses = _witnesses_after(pool, txn) if txn is not None else {}
+        was_newest = txn is not None and txn is _commits(pool)[-1]
+        after = txn is not None and any(t.end.seq > txn.end.seq for t in pool.journal.txns)
+        if txn is not None and (not was_newest or after or (witnesses and no_replay)):
+            # Make the target the newest recovery point again, its journal records after it now
+            # history: the restored rows (journaled tiers, several ranks: they exist durably only
+            # through the journal), a copy of the target's dense state, and a commit record that
+            # carries the witnesses of the committed steps after it (recovery windows), for the
+            # replay that re-runs them (dlrm_cxl.replay): a crash during the replay loses none.
+            rec = pool.begin(txn.tag)
             if pool.journaled:
                 for t, ids in pairs:
-                    j.append(RecordType.ROWS, txn.tag, encode_rows(t.name, ids, t.view().index_select(0, ids)))
-            d = [r for r in txn.records if r.type == RecordType.DENSE][-1]
-            j.append(RecordType.DENSE, txn.tag, [j.read(d)])
-            j.end(txn.tag, commit_doc(txn.tag))
-            rep.actions.append(f"step {txn.tag} is the newest recovery point again")
+                    rec.rows([(t, ids)])
+            rec.dense([rec.dense_of(txn)])
+            doc = commit_doc(txn.tag)
+            if witnesses and not no_replay:
+                doc["replay"] = [[k, w] for k, w in sorted(witnesses.items())]
+            elif witnesses:
+                rep.actions.append(f"dropped the records of committed steps {_span(list(witnesses))} (--no-replay): "
+                                   f"the pool stays at step {txn.tag}")
+            rec.commit(doc)
+            if not was_newest:
+                rep.actions.append(f"step {txn.tag} is the newest recovery point again")
         for p in ckpt_dir(pool.storage_dir).glob(".*.tmp"):
             fileio.unlink(p)
             rep.actions.append(f"removed unfinished {p.name}")
@@ -279,7 +343,7 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
 
 def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
             pool: MemoryPool | None = None, target_step: int | None = None,
-            rank_of_job: bool = False) -> RecoveryReport:
+            rank_of_job: bool = False, no_replay: bool = False) -> RecoveryReport:
     """Recover the one pool at ``path`` (see the module docstring). Returns what it found and did.
 
     ``pool``: an already open writable pool to use instead of opening ``path``.
@@ -301,12 +365,14 @@ def recover(path, *, dry_run: bool = False, digest: bool = True, crash_phase: st
                               hint=f"recover the whole job: dlrm-cxl recover --pool {path} "
                                    f"(API: checkpointing.job.recover_path)")
     if pool is not None:
-        return recover_pool(pool, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step)
+        return recover_pool(pool, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step,
+                            no_replay=no_replay)
     t0 = time.perf_counter()
     # On demand: recovery reads only the rows it rolls back (the trainer's own recovery does the
     # same); the digest, when asked for, applies the rest as it reads them.
     with MemoryPool.open(path, read_only=dry_run, replay="on-demand") as p:
         t_open = time.perf_counter() - t0
-        rep = recover_pool(p, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step)
+        rep = recover_pool(p, dry_run=dry_run, digest=digest, crash_phase=crash_phase, target_step=target_step,
+                           no_replay=no_replay)
     rep.seconds += t_open  # including opening the pool (and its journal replay), not the digest
     return rep

@@ -49,24 +49,37 @@ What it costs a step:
 * journaled tiers write no mark: an unfinished step's rows never reached durable media there,
   so a torn or bad record of it never matters (with several ranks they still log ``UNDO``).
 
-``commit(k)`` hands the transaction ``[ROWS] DENSE END(k)`` to the writer thread with the rows
-the step changed and the dense state's live tensors; the writer gathers the rows' after-images,
-packs the tensors (raw bytes, no pickle), appends the transaction and makes it durable with one
-group commit (records synced, then the ``END``). The next step's ``persist`` (before the fused
+**Recovery windows** (:mod:`checkpointing.policy`). Every step ends with a durable ``END``; most
+are *step records* (``{"kind": "step", "step": k, "loss": bits, "position": ...}``: the replay's
+witness, a few hundred bytes), and the last step of each window of W steps is a *recovery point*
+(``{"kind": "commit", ...}``) that also holds the dense state. On direct tiers a row's
+before-image is logged only the first time the window touches it (:class:`~checkpointing.window.
+WindowRows`; the write-ahead rule holds for that first touch, and rolling back every ``UNDO``
+record since the window's start restores it). On journaled tiers the window's end writes the
+after-images of every row the window changed, each once. Recovery restores the newest recovery
+point and the trainer replays the steps recorded after it (:mod:`checkpointing.recovery`,
+:mod:`dlrm_cxl.replay`). W = 1 is a recovery point every step: the records of each step are
+exactly those of a recovery point, as before windows existed.
+
+``commit(k)`` hands the step's transaction to the writer thread: at a window's end with the rows
+the window changed and the dense state's live tensors; the writer gathers the rows'
+after-images, packs the tensors (raw bytes, no pickle), appends them and makes the transaction
+durable with one group commit (records synced, then the ``END``: :class:`memory_pool.Transaction`). The next step's ``persist`` (before the fused
 backward changes rows) and ``update`` (the dense optimizer step) wait until they are copied, so
 the trainer's thread copies neither rows nor dense state. Pipelining, not skipping: step ``k+1``
 computes while ``k`` becomes durable; ``commit(k+1)`` waits only if ``k`` is still not durable
 then (``commit_wait_seconds``). So a crash loses at most the step in flight and the one before
-it. ``--dense-every N > 1`` makes every N-th step a recovery point instead (fewer dense bytes;
-a crash loses up to N steps); the rows are still logged every step.
+it.
 
-The journal is kept short: once a commit is durable, segments before the newest recovery point
+The journal is kept short (thresholds: :mod:`checkpointing.policy`): once a commit is durable,
+segments before the newest recovery point
 (before the newest step every rank committed, with several ranks) are compacted into the table
 images in the background and dropped.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,61 +87,28 @@ from typing import Callable
 
 import torch
 
-from memory_pool import MemoryPool
-from memory_pool.records import Fill, encode_logged_mark, encode_row_set
-from memory_pool.segment_format import RecordType
+from memory_pool import MemoryPool, Transaction
 from memory_pool.threads import one_intra_op_thread
-from memory_pool.validation import env_mib
 
 from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan
+from .policy import WindowConfig, WindowPolicy, default_apply_bytes, default_compact_bytes
 from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
+from .window import WindowRows, union
 
-__all__ = ["UndoLogCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step", "default_compact_bytes",
-           "default_apply_bytes"]
+__all__ = ["UndoLogCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step", "loss_bits"]
 
 # step -> dense state. Its tensors may be live: the writer thread packs them while the next step
 # computes, so they may change only inside ``update(fn)`` (which first waits for that).
 DenseStateFn = Callable[[int], dict]
 
 
-def default_compact_bytes(pool: MemoryPool) -> int:
-    """Journal size that triggers a compaction. Journaled tiers: large enough that the write-back
-    of scattered rows (page-granular in the image) is amortised over many steps, small enough
-    that replaying it at open stays around a second. Direct tiers hold only undo records and
-    dense states (in RAM on shm): small."""
-    env = env_mib("DLRM_CXL_COMPACT_MB")
-    if env is not None:
-        return env
-    if not pool.journaled:
-        return 128 << 20
-    # Measured on `small` (tools/bench_cli.py, 300 steps, 8.1 MB durable per step): compacting
-    # every 256 MiB wrote 7.3 MB of image pages per step (write amplification 1.9); every 1 GiB
-    # amortises the page-granular write-back of the rows over ~125 steps (WA ~1.2). Replay at open
-    # reads at most this much journal (about half of it rows).
-    return 1 << 30
-
-
-def default_apply_bytes(compact_bytes: int, table_bytes: int) -> int | None:
-    """Sealed journal bytes written back into the images' page cache at a time, between
-    compactions (journaled tiers; see ``MemoryPool.apply``): with the segment being written, what
-    a crash of the trainer leaves to replay. A quarter of a compaction: on `kaggle` that bounds
-    the replay to ~0.3 GiB of journal (0.5-0.8 s to recover, against 1.2 s for 1 GiB). Fewer,
-    larger passes cost less: each pass copies every row version it holds (no coalescing across
-    passes) and faults in the pages it touches (`kaggle`: WA 2.85 -> 3.06 with passes every
-    256 MiB, the write-back debt counted).
-
-    None (no pass between compactions) when the tables are no larger than twice the compaction
-    threshold: a replay then faults in at most every page of the tables (`small`: 650 MB, 160k
-    pages, ~0.3 s), whatever the journal holds, and passes would only cost CPU (measured on
-    `small`: pmem undo 0.90x -> 0.78x of none with passes every 256 MiB). ``DLRM_CXL_APPLY_MB``
-    overrides."""
-    env = env_mib("DLRM_CXL_APPLY_MB")
-    if env is not None:
-        return env
-    if table_bytes <= 2 * compact_bytes:
-        return None
-    return max(1, compact_bytes // 4)
+def loss_bits(loss) -> str:
+    """The exact bits of a loss (a float32 tensor or a Python float), as 8 hex digits: what a
+    step record holds and a replayed step must reproduce."""
+    if isinstance(loss, torch.Tensor):
+        return "%08x" % (int(loss.detach().reshape(()).to(torch.float32).view(torch.int32)) & 0xFFFFFFFF)
+    return struct.pack(">f", float(loss)).hex()
 
 
 class UndoLogCheckpointer(Checkpointer):
@@ -136,19 +116,20 @@ class UndoLogCheckpointer(Checkpointer):
 
     name = "undo"
 
-    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, dense_every: int = 1,
+    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, window: WindowConfig | int | None = None,
                  crash: CrashPlan | None = None, coordinator=None, inline: bool = False):
-        """``coordinator`` (several ranks): has ``global_min(int) -> int`` over all ranks. With
-        one, recovery points follow a fixed schedule (every ``dense_every`` steps) so every rank
-        has one at the same steps, and journal records are kept back to the newest step that
-        *every* rank committed. ``inline``: the writer's work runs on the caller's thread when it
-        is handed over (no pipelining; for measuring the checkpointer's own CPU cost)."""
-        if dense_every < 1:
-            raise ValueError(f"dense_every must be >= 1, got {dense_every}")
+        """``window``: a :class:`~checkpointing.policy.WindowConfig`, or a fixed window length
+        (default 1: a recovery point every step). ``coordinator`` (several ranks): has
+        ``global_min(int) -> int``; recovery points then fall on the same steps on every rank,
+        and journal records are kept back to the newest step that *every* rank committed.
+        ``inline``: the writer's work runs on the caller's thread when it is handed over (no
+        pipelining; the inline writer of ``dlrm_cxl.options.resolve_writer``)."""
+        if window is None or isinstance(window, int):
+            window = WindowConfig(window=window or 1)
         self.pool = pool
         self.journal = pool.journal
         self.dense_state = dense_state
-        self.dense_every = dense_every
+        self.policy = WindowPolicy(window, coordinator=coordinator)
         self.crash = crash
         self.coordinator = coordinator
         self.log_undo = not pool.journaled or coordinator is not None
@@ -157,7 +138,7 @@ class UndoLogCheckpointer(Checkpointer):
         # surviving medium, i.e. where UNDO records are what recovery restores them from.
         self.log_mark = self.log_undo and not pool.journaled
         self.stats = CheckpointStats()
-        self.compact_bytes = default_compact_bytes(pool)
+        self.compact_bytes = default_compact_bytes(pool.journaled)
         self.apply_bytes = default_apply_bytes(self.compact_bytes, pool.used_bytes())
         self._packer = DensePacker()
         self._read = threading.Event()   # the writer has copied what the newest commit reads in place
@@ -169,17 +150,30 @@ class UndoLogCheckpointer(Checkpointer):
         self._cur: Step | None = None
         commits = [t for t in self.journal.txns if is_commit(t)]
         self._durable_commit = commits[-1].tag if commits else -1
-        self._last_submitted = self._durable_commit
         self._released = self._durable_commit
+        self.window_start = self._durable_commit   # the newest recovery point handed over
         self._txn_start: dict[int, int] = {t.tag: t.first_seq for t in commits[-4:]}
-        self._pending_start: int | None = None   # first seq of the open transaction
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._first = WindowRows()               # direct tiers: rows the window has logged (writer thread)
+        self._window_steps: list = []            # journaled tiers: each step's rows since the window began
+        # Witnesses of steps being replayed (dlrm_cxl.replay): each recovery point carries those
+        # after it, so a crash during the replay loses none.
+        self.carry: dict[int, dict] = {}
         # Reusable gather buffers for the before-images of a journal written directly (not
         # mapped): step k's (kept until its commit, for abort) and step k+1's.
         self._bufs = {i: {} for i in (0, 1)}
         self._closed = False
         ckpt_dir(pool.storage_dir).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def window(self) -> int:
+        """The current recovery window's length in steps."""
+        return self.policy.length
+
+    def observe_step(self, seconds: float) -> None:
+        """The trainer measured a step (the window's length follows the step time)."""
+        self.policy.observe(seconds)
 
     # -- crash injection
     def hit(self, phase: str) -> None:
@@ -197,6 +191,10 @@ class UndoLogCheckpointer(Checkpointer):
             raise RuntimeError(f"{self._broken}: reopen the pool to continue from its last commit")
         self._check()
         self._cur = Step(step)
+        self._cur.txn = self.pool.begin(step)
+        # Every row of the step is logged (abort can put them all back) only in a window's
+        # first step.
+        self._cur.complete = self.window_start == step - 1
         if self.crash is not None:
             self.crash.arm_random(step)
 
@@ -205,6 +203,8 @@ class UndoLogCheckpointer(Checkpointer):
         cur = self._cur
         self.hit("before-log")
         cur.touched = list(touched)
+        if self.log_rows:
+            self._window_steps.append(cur.touched)
         if self.log_undo:
             # Nothing on the trainer's thread: the writer thread copies the rows' current values
             # (the step's before-images), appends and syncs them while the forward runs. No
@@ -217,8 +217,8 @@ class UndoLogCheckpointer(Checkpointer):
 
     def before_images(self) -> dict[str, torch.Tensor] | None:
         cur = self._cur
-        if cur is None or cur.gathered is None:
-            return None
+        if cur is None or cur.gathered is None or not cur.complete:
+            return None  # (inside a window only the rows it touches first are logged)
         before = cur.gathered.result()  # (copied by now, or the writer's error)
         return {t.name: b for (t, _), b in zip(cur.touched, before)}
 
@@ -231,67 +231,22 @@ class UndoLogCheckpointer(Checkpointer):
 
     def _log_undo(self, cur: Step, bufs: dict) -> int:
         k = cur.k
-        j = self.journal
-        # The step's undo group: the sequence number of its first UNDO record. The writer
-        # thread is the journal's only appender while a checkpointer trains (one writer, see
-        # memory_pool.journal), so that is the next one.
-        group = j.next_seq if self.log_mark else None
-        mark = None
         try:
-            gathers = self.pool.row_gathers(cur.touched)
-            if j.mapped:
-                # Copied from the tables straight into the journal's mapping (no buffer, and one
-                # 4 MB copy less per `small` step); the before-images are views of the records,
-                # which stay where they are until a compaction after this step's commit.
-                groups: list = [None] * len(gathers)
-                recs = _gather_records(RecordType.UNDO, k, cur.touched, gathers, groups, undo_group=group)
-            else:
-                # (A direct write's buffer is reused by the next append: the before-images, kept
-                # until this step commits, are gathered into this step's own buffers first.)
-                groups = self.pool.copy_row_gathers(gathers, buffers=bufs)
-                recs = [(RecordType.UNDO, k, encode_row_set(tables, rows, undo_group=group))
-                        for tables, rows in _row_sets(cur.touched, groups)]
-            if self.log_mark:
-                mark = (RecordType.LOGGED, k, encode_logged_mark(group, len(recs)))
-            # Where the journal is never synced (shm, dram: a store into its shared mapping is
-            # all the durability there is, and a crash of the process keeps the stores made
-            # before it in program order), the mark rides in the records' own write, last: the
-            # journal stores each payload before its header, so the mark's header is the last
-            # store, and a valid mark implies that every UNDO byte before it was stored. Where a
-            # sync is what makes bytes durable, a write's blocks may reach the media in any
-            # order until it returns: the mark goes after the records' sync (below).
-            same_write = mark is not None and not j.sync
-            half = len(recs) // 2
-            if self.crash is not None and self.crash.at(k, "mid-log"):
-                for ref in j.append_many(recs[:half]):
-                    self._note_start(ref)
-                j.flush()
-                self.crash.hit(k, "mid-log")
-                recs = recs[half:]
-            for ref in j.append_many(recs + [mark] if same_write else recs):
-                self._note_start(ref)
+            # The rows the window touches for the first time: their before-images are the
+            # values at the window's start, all a rollback to it needs.
+            first, _ = self._first.first_touch(cur.touched)
+            cur.logged = first
+            mid = self.crash is not None and self.crash.at(k, "mid-log")
+            n = cur.txn.undo(first, mark=self.log_mark, buffers=bufs, gathered=cur.gathered.set_result,
+                             halfway=(lambda: self.crash.hit(k, "mid-log")) if mid else None)
         except BaseException as exc:
             # (the trainer's thread may be waiting for the before-images: it gets the cause)
-            cur.gathered.set_exception(exc)
+            if not cur.gathered.done():
+                cur.gathered.set_exception(exc)
             raise
-        cur.before = self.pool.rows_per_pair(cur.touched, groups)
-        cur.gathered.set_result(cur.before)
-        # Write-ahead rule: durable before any row it covers changes in place.
-        j.flush()
-        if mark is not None and not same_write:
-            # The mark only once the records' sync has returned (a mark that could outlive
-            # records torn by a power loss would make recovery refuse a step that never changed
-            # a row), and durable itself before persist() lets a row change (a step whose rows
-            # changed without a durable mark would have a bad record taken for a torn tail).
-            j.append_many([mark])
-            j.flush()
-        n = _payload_bytes(gathers)
+        cur.before = cur.gathered.result()
         self.stats.log_bytes += n
         return n
-
-    def _note_start(self, ref) -> None:
-        if self._pending_start is None:
-            self._pending_start = ref.seq
 
     def persist(self) -> None:
         t0 = time.perf_counter()
@@ -324,109 +279,112 @@ class UndoLogCheckpointer(Checkpointer):
         cur = self._cur
         if cur is None:
             return
-        if cur.updated and cur.before is not None:
+        if cur.updated and cur.before is not None and cur.complete:
             for (t, rows), b in zip(cur.touched, cur.before):
                 t.scatter_rows(rows, b)
             if self.pool.real_pmem:
                 self.pool.persist_rows([(t, rows) for t, rows in cur.touched])
         elif cur.updated:
-            # A journaled tier keeps no before-images: the changed rows live only in this
-            # process's working copy and never reach durable media. The pool on media is at the
-            # last commit; this process must not train on: every later step refuses.
+            # The changed rows cannot be put back from this step's records: a journaled tier
+            # keeps no before-images (the rows live only in this process's working copy and
+            # never reached durable media), and inside a window only the rows the window
+            # touched first were logged. The pool on media is at its last recovery point plus
+            # the recorded steps; this process must not train on: every later step refuses.
             self._broken = f"step {cur.k} failed after changing rows in memory"
         self._cur = None
         if self.coordinator is None and not self._broken:
             self.checkpoint_now(cur.k - 1)
 
-    def commit(self, step: int, *, final: bool = False) -> None:
+    def commit(self, step: int, *, final: bool = False, witness: dict | None = None) -> None:
+        """``witness``: what replay checks the step against (``loss``: :func:`loss_bits`,
+        ``position``: the data position); it goes into the step's ``END``."""
         t0 = time.perf_counter()
         cur = self._cur
         self.stats.steps += 1
-        crash_here = self.crash is not None and self.crash.at(step, *COMMIT_PHASES)
-        if self.coordinator is None:
-            due = final or crash_here or step - self._last_submitted >= self.dense_every
-        else:
-            due = final or step % self.dense_every == 0
-        # The step's after-images and the dense state's live tensors: the writer thread copies
-        # them (off this thread's critical path) before the next step's persist() or update()
-        # lets anything change them (_wait_read).
-        rows = cur.touched if self.log_rows and cur is not None and cur.touched else None
-        dense = self.dense_state(step) if due else None
-        self._submit(step, rows, dense, wait=final or crash_here)
-        self._release()
+        crash_wait = self.crash is not None and self.crash.at(step, *COMMIT_PHASES)
+        # (mid-dense needs a recovery point to crash in)
+        ends = final or (self.crash is not None and self.crash.at(step, "mid-dense")) or \
+            self.policy.ends(step, self.window_start)
+        if witness is None and cur is not None:
+            witness = cur.witness
+        doc = {"kind": "commit" if ends else "step", "step": step, **(witness or {})}
+        self._submit(step, cur.txn if cur is not None else None, ends, doc, wait=final or crash_wait)
+        self._release(ends)
         self.stats.max_commit_lag = max(self.stats.max_commit_lag, step - max(self._durable_commit, 0))
         self.stats.critical_seconds += time.perf_counter() - t0
         self._cur = None
 
-    def _submit(self, step: int, rows, dense, *, wait: bool) -> None:
-        # Pipeline depth one: whatever was handed over for the previous step must be written
-        # (and, for a recovery point, durable) before this step's is handed over. So a crash
-        # loses at most the step in flight and the one before it (with --dense-every N, the
-        # steps since the previous recovery point and one more), and the writer never lags a
-        # step behind: the double-buffered after-images it is writing are never overwritten.
+    def _submit(self, step: int, txn: Transaction | None, ends: bool, doc: dict, *, wait: bool) -> None:
+        # Pipeline depth one: whatever was handed over for the previous step must be durable
+        # before this step's is handed over. So a crash loses at most the step in flight and the
+        # one before it, and the writer never lags a step behind: the double-buffered
+        # after-images it is writing are never overwritten.
         if self._last_job is not None:
             t0 = time.perf_counter()
             self._last_job.result()
             self.stats.commit_wait_seconds += time.perf_counter() - t0
-        if dense is not None:
-            self._last_submitted = step
-        if rows is not None or dense is not None:
+        rows, dense = None, None
+        if ends:
+            # The window's rows (journaled tiers: after-images, each once) and the dense
+            # state's live tensors: the writer copies them (off this thread's critical path)
+            # before the next step's persist() or update() lets anything change them.
+            if self.log_rows:
+                rows, self._window_steps = union(self._window_steps), []
+            dense = self.dense_state(step)
+            carry = {s: w for s, w in self.carry.items() if s > step}
+            if carry:
+                doc["replay"] = [[s, w] for s, w in sorted(carry.items())]
+            self.window_start = step
             self._read.clear()
-        fut = self._writer.submit(self._write_txn, step, rows, dense)
+        if txn is None:
+            txn = self.pool.begin(step)
+        fut = self._writer.submit(self._write_txn, step, txn, rows, dense, doc)
         self._last_job = fut
-        if dense is not None:
+        if ends:
             self._inflight = fut
         if wait:
             fut.result()
 
-    def _write_txn(self, step: int, touched, dense) -> None:
+    def _write_txn(self, step: int, txn: Transaction, rows, dense, doc: dict) -> None:
         cpu0 = time.thread_time()
         try:
-            self._append_txn(step, touched, dense)
+            self._append_txn(step, txn, rows, dense, doc)
         finally:
             self.stats.writer_cpu_seconds += time.thread_time() - cpu0
 
-    def _append_txn(self, step: int, touched, dense) -> None:
+    def _append_txn(self, step: int, txn: Transaction, rows, dense, doc: dict) -> None:
         crash = self.crash if (self.crash is not None and self.crash.at(step, *COMMIT_PHASES)) else None
-        j = self.journal
-        rows = None
+        n = 0
         try:
-            recs = []
-            if touched:
-                # The after-images, copied from the tables straight to where the records are
-                # written (the mapping, or a direct write's buffer).
-                gathers = self.pool.row_gathers(touched)
-                recs = _gather_records(RecordType.ROWS, step, touched, gathers)
-                rows = _payload_bytes(gathers)
+            if rows:
+                self.stats.table_bytes_persisted += txn.rows(rows)
             if dense is not None:
                 parts, n = self._packer.pack(dense)
-                recs.append((RecordType.DENSE, step, parts))
+                txn.dense(parts)
             # One write for the rows and the dense state; the live tensors are copied into the
             # DENSE record as it is written: from here on the next step may change them.
-            refs = j.append_many(recs) if recs else []
+            txn.write()
         finally:
             self._read.set()
-        for ref in refs:
-            self._note_start(ref)
-        if rows:
-            self.stats.table_bytes_persisted += rows
-        if dense is None:
-            return
-        if crash:
-            crash.hit(step, "mid-dense")
-        j.flush()
-        if crash:
-            crash.hit(step, "before-commit")
-        txn = j.end(step, commit_doc(step))  # the commit record: last, and durable
+        if dense is not None:
+            # A new window begins after this step: no row is logged in it yet (this job runs
+            # before the next step's undo job: one writer thread, in order).
+            self._first.reset()
+            if crash:
+                crash.hit(step, "mid-dense")
+        # The commit record: last, and durable (Transaction.commit syncs the records first).
+        txn.commit(doc, before_end=(lambda: crash.hit(step, "before-commit")) if crash else None)
         if crash:
             crash.hit(step, "after-commit")
-        with self._lock:
-            self._txn_start[step] = self._pending_start if self._pending_start is not None else txn.first_seq
-            self._pending_start = None
-            self._durable_commit = step
-        self.stats.dense_bytes += n
+        if dense is None:
+            return
         self.stats.checkpoints += 1
         self.stats.last_commit_step = step
+        first = txn.first_seq if txn.first_seq is not None else txn.committed.end.seq
+        with self._lock:
+            self._txn_start[step] = first
+            self._durable_commit = step
+        self.stats.dense_bytes += n
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
@@ -450,16 +408,21 @@ class UndoLogCheckpointer(Checkpointer):
             self.journal.rotate()
             self.pool.compact(seq, wait=False)
 
-    def _release(self) -> None:
-        """With several ranks: the newest step committed everywhere (a collective call, made by
-        every rank at every commit)."""
+    def _release(self, ends: bool) -> None:
+        """At a window's end, the next window's length (on this thread: the schedule is the
+        trainer's, not the writer's timing). With several ranks: the newest step committed
+        everywhere (a collective call, made by every rank at every commit), and the next
+        window's length is another (every rank ends a window at the same step)."""
         if self.coordinator is not None:
             self._released = self.coordinator.global_min(self._durable_commit)
+        if ends:
+            self.policy.next_window()
 
     def checkpoint_now(self, step: int) -> None:
         """Make ``step`` a recovery point and wait for it (start of training, tests, abort)."""
-        self._submit(step, None, self.dense_state(step), wait=True)
-        self._release()
+        self._submit(step, None, True, commit_doc(step), wait=True)
+        if self.coordinator is not None:
+            self._released = self.coordinator.global_min(self._durable_commit)
 
     def _wait_read(self) -> None:
         """The newest commit's after-images and dense state are read in place by the writer
@@ -477,8 +440,8 @@ class UndoLogCheckpointer(Checkpointer):
 
     def drain(self) -> None:
         """Wait for the background work: the transaction in flight and a running compaction."""
-        if self._inflight is not None:
-            self._inflight.result()
+        if self._last_job is not None:
+            self._last_job.result()
         self.pool.wait_compaction()
 
     def close(self) -> None:
@@ -508,38 +471,3 @@ class _Inline:
 
     def shutdown(self, wait: bool = True) -> None:
         pass
-
-
-def _gather_records(rtype: int, step: int, touched: list, gathers: list, out: list | None = None, *,
-                    undo_group: int | None = None) -> list:
-    """One journal record per :class:`~memory_pool.pool.RowGather`, whose rows are copied from
-    the tables straight to where the record is written. ``out[i]``: set to ``(pair indexes,
-    the rows as written)`` (a view of the record) as group ``i`` is copied. ``undo_group``: see
-    :func:`memory_pool.records.encode_row_set`."""
-    recs = []
-    for i, g in enumerate(gathers):
-        tables = [(touched[j][0].name, touched[j][1]) for j in g.idx]
-        if not g.rows:
-            if out is not None:
-                out[i] = (g.idx, g.src[:0])
-            recs.append((rtype, step, encode_row_set(tables, g.src[:0], undo_group=undo_group)))
-            continue
-
-        def fill(dest, g=g, i=i) -> None:
-            rows = g.into(torch.from_numpy(dest).view(g.dtype).view(g.rows, -1))
-            if out is not None:
-                out[i] = (g.idx, rows)
-
-        recs.append((rtype, step, encode_row_set(tables, Fill(g.rows * g.row_bytes, fill), g.row_bytes,
-                                                 undo_group=undo_group)))
-    return recs
-
-
-def _payload_bytes(gathers: list) -> int:
-    """The bytes of row records that matter (rows and their ids) for ``gathers``."""
-    return sum(g.rows * (g.row_bytes + 8) for g in gathers)
-
-
-def _row_sets(touched: list, groups: list) -> list:
-    """One journal record per gathered group: ``[([(table name, ids)], rows)]``."""
-    return [([(touched[i][0].name, touched[i][1]) for i in idx], rows) for idx, rows in groups]

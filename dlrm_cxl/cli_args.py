@@ -31,6 +31,9 @@ EXIT_CODES = {
     8: "training diverged (NaN/inf loss or gradient; the step was not applied)",
     9: "the device reported an I/O error (nothing committed is lost)",
     10: "the pool's background compaction failed (nothing committed is lost: fix the cause, then `recover`)",
+    11: "a replayed step did not reproduce its record (not deterministic here: other --threads, kernel, device "
+        "or library versions); the pool stays at the last step that agreed",
+    12: "the data a replay needs is gone or changed: recovery stopped at the recovery window's start",
     130: "interrupted (Ctrl-C)",
 }
 EXIT_CODES_EPILOG = "exit codes:\n" + "\n".join(
@@ -119,11 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-batches", type=int, default=4, metavar="N",
                    help="batches each --eval-every evaluation reads (default 4)")
     t.add_argument("--checkpoint", choices=["undo", "none"], default="undo",
-                   help="undo: a recovery point every --dense-every steps, a crash resumes bit-exact (default); "
-                        "none: no recovery points (a crashed pool must start over with --fresh)")
-    t.add_argument("--dense-every", type=int, default=None,
-                   help="recovery point (dense snapshot + persisted rows) every N steps; default 1 (every "
-                        "step, on every tier: a crash loses at most the step in flight and the one before it)")
+                   help="undo: every step recoverable, a crash resumes bit-exact (default); none: no recovery "
+                        "points (a crashed pool must start over with --fresh)")
+    t.add_argument("--recovery-budget", type=float, default=1.0, metavar="SECONDS",
+                   help="most seconds a recovery after a crash may take (default 1.0): the recovery window is the "
+                        "steps a replay re-runs in it, chosen from the measured step time. A longer window makes "
+                        "fewer bytes durable per step")
+    t.add_argument("--window", type=int, default=None, metavar="W",
+                   help="a fixed recovery window of W steps instead of --recovery-budget: the full state is made "
+                        "durable once per window, each step in between only a commit record, and a crash replays "
+                        "at most W-1 committed steps. 1: a full recovery point every step")
     t.add_argument("--writer", choices=list(WRITERS), default="auto",
                    help="where the journal writer runs: its own thread (step k+1 computes while step k becomes "
                         "durable; a crash loses at most 2 steps) or inline on the trainer's thread (a crash loses "
@@ -142,14 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true",
                    help="print the summary as JSON on stdout (the banner and log lines go to stderr)")
 
-    r = sub.add_parser("recover", help="roll a crashed pool back to its newest recovery point")
+    r = sub.add_parser("recover", help="bring a crashed pool back to its newest committed step: restore the "
+                                       "recovery window's start, then replay the committed steps after it")
     r.add_argument("--pool", default=DEFAULT_POOL,
                    help=f"pool directory, or a torchrun job directory (default {DEFAULT_POOL})")
     r.add_argument("--dry-run", action="store_true", help="verify and report; change nothing")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument("--no-digest", action="store_true",
                    help="skip the state digest afterwards (it reads every row: 16 s for `kaggle`'s 8.8 GB)")
-    r.add_argument("--crash-at", choices=RECOVERY_PHASES, help=argparse.SUPPRESS)
+    r.add_argument("--no-replay", action="store_true",
+                   help="stop at the recovery window's start and drop the records of the committed steps after it "
+                        "(they are not replayed; the pool continues from its window's start)")
+    r.add_argument("--crash-at", choices=RECOVERY_PHASES + ("mid-replay",), help=argparse.SUPPRESS)
 
     i = sub.add_parser("inspect", help="describe a pool: tables, tier, step, state digest")
     i.add_argument("--pool", default=DEFAULT_POOL,

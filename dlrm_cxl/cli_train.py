@@ -42,7 +42,7 @@ def _cmd_train(args) -> int:
     opts = TrainOptions(
         pool=args.pool, steps=args.steps, data=args.data, seed=args.seed, tier=args.tier or "auto", device=args.device,
         eval_every=args.eval_every, eval_batches=args.eval_batches, eval_data=args.eval_data,
-        checkpoint=args.checkpoint, dense_every=args.dense_every,
+        checkpoint=args.checkpoint, window=args.window, recovery_budget=args.recovery_budget,
         crash_at=parse_crash_at(args.crash_at) if args.crash_at else None, crash_rank=args.crash_rank,
         threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
@@ -154,11 +154,12 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_recover(args) -> int:
-    from checkpointing.job import recover_path
+    from .replay import recover_and_replay
 
     if not args.dry_run:
         check_pool_writable(args.pool, "recover")
-    rep = recover_path(args.pool, dry_run=args.dry_run, digest=not args.no_digest, crash_phase=args.crash_at)
+    rep = recover_and_replay(args.pool, dry_run=args.dry_run, digest=not args.no_digest, crash_phase=args.crash_at,
+                             no_replay=args.no_replay)
     if args.json:
         _print_json(rep.as_dict())
         return 0
@@ -175,8 +176,18 @@ def _cmd_recover(args) -> int:
             print(f"pool would be consistent at step {rep.committed_step}: {rep.rows_restored} rows would be "
                   f"restored from {steps} (checked in {rep.seconds * 1e3:.1f} ms; nothing was changed)")
         else:
-            print(f"pool is consistent at step {rep.committed_step}: {rep.rows_restored} rows restored "
-                  f"from {steps} in {rep.seconds * 1e3:.1f} ms")
+            restored = getattr(rep, "restored_step", rep.committed_step)
+            replay = getattr(rep, "replay_steps", None) or []
+            if replay and getattr(rep, "replayed", 0):
+                print(f"pool is consistent at step {rep.committed_step}: restored step {restored} (the recovery "
+                      f"window's start; {rep.rows_restored} rows), then replayed {rep.replayed} committed steps, in "
+                      f"{rep.seconds * 1e3:.0f} ms ({rep.replay_seconds * 1e3:.0f} ms replaying)")
+            else:
+                print(f"pool is consistent at step {rep.committed_step}: {rep.rows_restored} rows restored "
+                      f"from {steps} in {rep.seconds * 1e3:.1f} ms")
+            if replay and getattr(rep, "replay_stopped", None) == "--no-replay":
+                print(f"--no-replay: the committed steps {replay[0]}..{replay[-1]} after it were dropped, not "
+                      f"replayed")
     if rep.state_digest:
         print(f"state_digest {rep.state_digest}")
     return 0

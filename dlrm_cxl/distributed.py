@@ -14,8 +14,8 @@ One step on rank ``r`` of ``W`` (global batch ``B``, local batch ``B/W``):
    ``all_to_all`` gives each rank the gradient of its own features for the whole batch;
 5. each rank undo-logs and updates exactly its own touched rows.
 
-Coordinated commit: every rank checkpoints on the same schedule (every ``--dense-every``
-steps); each step an ``all_reduce(MIN)`` of the ranks' newest durable commits gives the newest
+Coordinated commit: every rank checkpoints on the same schedule (recovery windows of the same
+length, the smallest any rank chose: checkpointing.policy); each step an ``all_reduce(MIN)`` of the ranks' newest durable commits gives the newest
 *globally* committed step G. A rank keeps its undo records and dense snapshots back to G, so
 after any crash every rank can roll back to G — also a rank that had committed more (it is
 ahead of the others). At start-up the ranks agree on G the same way and recover to it.

@@ -107,6 +107,8 @@ __all__ = [
     "ConfigMismatchError",
     "TrainingDivergedError",
     "PoolNotWritableError",
+    "ReplayMismatchError",
+    "ReplaySourceError",
 ]
 
 
@@ -140,3 +142,24 @@ class PoolNotWritableError(DlrmCxlError):
     default_hint = ("train, recover, destroy and import write to the pool's directory: make it writable "
                     "(remount it read-write, `chattr -i`, or fix its permissions) or copy the pool somewhere "
                     "writable; inspect, eval and export read it as it is")
+
+
+class ReplayMismatchError(DlrmCxlError):
+    """A replayed step (recovery windows: checkpointing.policy) did not reproduce its commit
+    record: its loss's bits or its batch's data position differ. Training was not deterministic
+    (another --threads, kernel, device or library version than the run that recorded it). The
+    pool stays at the last step that agreed."""
+
+    exit_code = 11
+    default_hint = ("replay with the settings the steps were trained with (--threads, --kernel, --device, the same "
+                    "torch/fbgemm); or `dlrm-cxl recover --no-replay` to drop the recorded steps and continue from "
+                    "the pool's step")
+
+
+class ReplaySourceError(DlrmCxlError):
+    """The data a replay needs is gone or changed since the steps to replay read it: recovery
+    stops at the recovery window's start rather than replay different data."""
+
+    exit_code = 12
+    default_hint = ("put the data file back as it was and run `dlrm-cxl recover` again, or `dlrm-cxl recover "
+                    "--no-replay` to drop the recorded steps and continue from the pool's step")

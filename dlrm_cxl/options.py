@@ -14,7 +14,7 @@ from .data import DataSpec
 if TYPE_CHECKING:
     from .model import ModelConfig
 
-__all__ = ["TrainOptions", "validate_options", "TrainSummary", "default_dense_every", "data_spec", "WRITERS",
+__all__ = ["TrainOptions", "validate_options", "TrainSummary", "data_spec", "WRITERS",
            "resolve_writer"]
 
 
@@ -30,7 +30,8 @@ class TrainOptions:
     eval_batches: int = 4
     eval_data: str | None = None
     checkpoint: str = "undo"           # undo | none
-    dense_every: int | None = None     # None: see default_dense_every
+    window: int | None = None          # steps per recovery window; None: from recovery_budget
+    recovery_budget: float = 1.0       # seconds a recovery may take (checkpointing.policy)
     crash_at: tuple[int, str] | None = None
     crash_rank: int = 0                # several ranks: which rank --crash-at kills
     threads: int | None = None
@@ -49,8 +50,10 @@ def validate_options(o: TrainOptions) -> None:
         raise ValueError(f"--steps must be a non-negative integer, got {o.steps!r}")
     if o.checkpoint not in ("undo", "none"):
         raise ValueError(f"--checkpoint must be undo or none, got {o.checkpoint!r}")
-    if o.dense_every is not None and o.dense_every < 1:
-        raise ValueError(f"--dense-every must be >= 1, got {o.dense_every}")
+    if o.window is not None and (not isinstance(o.window, int) or o.window < 1):
+        raise ValueError(f"--window must be an integer >= 1, got {o.window!r}")
+    if not isinstance(o.recovery_budget, (int, float)) or not o.recovery_budget > 0:
+        raise ValueError(f"--recovery-budget must be a number of seconds > 0, got {o.recovery_budget!r}")
     if o.eval_every < 0 or o.eval_batches < 1:
         raise ValueError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {o.eval_every}, {o.eval_batches}")
     if o.device not in ("cpu", "cuda") and not o.device.startswith("cuda:"):
@@ -80,21 +83,14 @@ class TrainSummary:
     epochs: int | None
     checkpoint: dict
     recovered: dict | None
+    replayed_steps: int = 0            # steps re-run from their commit records (recovery windows)
+    window: int = 1                    # the recovery window's length at the end of the run
     eval: list = field(default_factory=list)
     pool_stats: dict = field(default_factory=dict)
     distributed: dict | None = None    # world size, seconds in exchanges and in commit agreement
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def default_dense_every() -> int:
-    """Steps between recovery points when --dense-every is not given: every step, on every tier.
-
-    Persisting costs what its bytes cost (the journal is byte-granular with group commit, and
-    the commit of step k is written while step k+1 computes), so there is no reason to lose
-    more than the step in flight and the one before it. See tools/bench_train.py."""
-    return 1
 
 
 WRITERS = ("auto", "thread", "inline")

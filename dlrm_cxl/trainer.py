@@ -9,6 +9,7 @@ after a crash ends at the same step with the same state.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import sys
@@ -20,14 +21,18 @@ import torch
 import torch.nn.functional as F
 
 from checkpointing import CrashPlan, NoCheckpointer, UndoLogCheckpointer, committed_state, state_digest
+from checkpointing.policy import WindowConfig
+from checkpointing.recovery import replay_witnesses
+from checkpointing.undo import loss_bits
 from memory_pool import PoolFormatError
 
 from .data import Prefetcher, make_data_source
-from .errors import TrainingDivergedError
+from .errors import ReplayMismatchError, TrainingDivergedError
 from .evaluation import eval_source, evaluate
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
-from .options import TrainOptions, TrainSummary, data_spec, default_dense_every, resolve_writer, validate_options
+from .options import TrainOptions, TrainSummary, data_spec, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
+from .replay import check_replay_source, data_identity, run_settings
 
 __all__ = ["Trainer", "io_write_bytes"]
 
@@ -99,9 +104,12 @@ class Trainer:
                                      ranks=1 if self.dist is None else self.dist.world)
         if o.checkpoint == "undo":
             extra["inline"] = self.writer == "inline"
-        self.dense_every = o.dense_every or default_dense_every()
-        self.ckpt = ckpt_cls(self.pool, self.live_dense_state, dense_every=self.dense_every, crash=self.crash,
-                             **extra)
+        self.window_cfg = WindowConfig(window=o.window, recovery_budget=o.recovery_budget)
+        self.ckpt = ckpt_cls(self.pool, self.live_dense_state, window=self.window_cfg, crash=self.crash, **extra)
+        self.after_step: Callable[[int], None] | None = None   # (dlrm_cxl.replay's crash test)
+        self.replayed = 0
+        # Committed steps after the pool's recovery point (recovery windows): re-run and checked.
+        self.witness: dict[int, dict] = {}
         if created:
             self.step = 0
             self._positions[0] = None
@@ -113,6 +121,19 @@ class Trainer:
                     f"{self.pool.path} holds tables but no checkpoint: its creation was interrupted "
                     f"before the first commit", hint="start over with --fresh")
             self._load_dense(state)
+            if o.checkpoint == "undo":
+                self.witness = replay_witnesses(self.pool)
+        meta = self.pool.meta
+        if self.witness:
+            # A replay needs the data the steps read: never replay other data.
+            check_replay_source(meta.get("data_identity"), o.data, first=min(self.witness),
+                                last=max(self.witness), step=self.step)
+            self.ckpt.carry = dict(self.witness)
+        else:
+            settings = run_settings(torch.get_num_threads(), o.kernel, o.device)
+            ident = data_identity(o.data)
+            if meta.get("data_identity") != ident or meta.get("run") != settings:
+                self.pool.set_meta(data_identity=ident, run=settings)
 
     # -- dense state
     def _dense_state(self, step: int, *, copy: bool = True) -> dict:
@@ -184,6 +205,7 @@ class Trainer:
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
                 if not bool(torch.isfinite(loss)):
                     self._diverged(k, float(loss.detach()))
+                witness = self._witness(k, loss)
             with _phase("backward_and_fused_update"):
                 self.dense_opt.zero_grad(set_to_none=True)
                 # The gradient of the pooled output is ready just before fbgemm's backward updates
@@ -198,7 +220,7 @@ class Trainer:
             ck.abort()  # (what `with ck.step(k)` does; spelled out to time the commit below)
             raise
         with _phase("commit"):
-            ck.commit(k, final=(k == self.o.steps))
+            ck.commit(k, final=(k == self.o.steps), witness=witness)
         self.step = k
         return float(loss.detach())
 
@@ -224,6 +246,7 @@ class Trainer:
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
                 if not bool(torch.isfinite(loss)):
                     self._diverged(k, float(loss.detach()))
+                ck.current.witness = self._witness(k, loss)
             with _phase("backward_and_fused_update"):  # here: backward, then the sparse update
                 self.dense_opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -242,6 +265,22 @@ class Trainer:
             self.dense_opt.step()
 
         ck.update(apply)
+
+    def _witness(self, k: int, loss) -> dict:
+        """Step k's witness (its loss's bits, its batch's position), checked against the record
+        of a step being replayed before anything of the step is applied: a difference raises
+        ReplayMismatchError and, as for a diverged loss, the pool stays at step k - 1."""
+        w = {"loss": loss_bits(loss), "position": _json(self._positions.get(k))}
+        rec = self.witness.get(k)
+        if rec is not None:
+            if rec != w:
+                what = "loss" if rec.get("loss") != w["loss"] else "data position"
+                raise ReplayMismatchError(
+                    f"replay of step {k}: its {what} differs from the one recorded before the crash "
+                    f"({rec.get(what.split()[-1])} recorded, {w[what.split()[-1]]} now): the step is not deterministic "
+                    f"here; the pool stays at step {k - 1}, the last step that agreed")
+            self.replayed += 1
+        return w
 
     def _diverged(self, k: int, loss: float):
         # Nothing of step k was applied: the abort() that follows (leaving the step block, or
@@ -264,6 +303,7 @@ class Trainer:
             global_loss = d.mean(float(loss.detach()))
             if not np.isfinite(global_loss):  # every rank sees the same value: all stop together
                 self._diverged(k, global_loss)
+            ck.current.witness = self._witness(k, global_loss)
             self.dense_opt.zero_grad(set_to_none=True)
             loss.backward()
             d.average_gradients(self.model.parameters())
@@ -280,8 +320,12 @@ class Trainer:
         o = self.o
         start = self.step
         self.log(f"dlrm-cxl: pool {o.pool} | tier {self.pool.tier}: {self.pool.durability} | "
-                 f"checkpoint {o.checkpoint} (recovery point every {self.dense_every} steps"
+                 f"checkpoint {o.checkpoint} ({self._window_text()}"
                  f"{'; journal writer ' + ('inline' if self.writer == 'inline' else 'on its own thread') if o.checkpoint == 'undo' else ''}) | step {start} -> {o.steps}")
+        if self.witness:
+            ks = sorted(self.witness)
+            self.log(f"replaying steps {ks[0]}..{ks[-1]} (committed before the crash; each is checked against its "
+                     f"record) from step {start}, the start of their recovery window")
         losses: list[float] = []
         evals = []
         io0 = io_write_bytes()
@@ -307,6 +351,9 @@ class Trainer:
                         ts = time.perf_counter()
                         losses.append(self.train_step(k, batch, plan))
                         last_pos = pos
+                        self.ckpt.observe_step(time.perf_counter() - ts)
+                        if self.after_step is not None:
+                            self.after_step(k)
                         if self.crash is not None:
                             self.crash.expected_step_seconds = max(time.perf_counter() - ts, 1e-3)
                         if bar is not None:
@@ -335,11 +382,23 @@ class Trainer:
             checkpoint=_with_device_bytes(self.ckpt.stats.as_dict(), io1 - io0 if io0 >= 0 else -1, n)
             | ({"writer": self.writer} if o.checkpoint == "undo" else {}),
             recovered=self.recovery.as_dict() if self.recovery else None,
+            replayed_steps=self.replayed, window=self.ckpt.window,
             eval=evals, pool_stats=self.pool.stats.as_dict(),
             distributed=None if self.dist is None else {
                 "world_size": self.dist.world, "comm_seconds": self.dist.comm_seconds,
                 "coord_seconds": self.dist.coord_seconds})
         return summary
+
+    def _window_text(self) -> str:
+        if self.o.checkpoint != "undo":
+            return "no recovery point until the run ends"
+        c = self.window_cfg
+        if c.window == 1:
+            return "a recovery point every step"
+        if c.window is not None:
+            return f"recovery window {c.window} steps: a crash replays at most {c.window - 1}"
+        return (f"recovery budget {c.recovery_budget:g} s: the window is the steps a recovery replays in it, "
+                f"from the measured step time")
 
     def plan_ahead(self, batches):
         """``(batch, position, plan)``: the plans are made on the prefetch thread, ahead of the
@@ -358,6 +417,11 @@ class Trainer:
             self.ckpt.close()
         finally:
             self.pool.close()
+
+
+def _json(x):
+    """``x`` as it reads back from JSON (tuples become lists), for comparing with a record."""
+    return json.loads(json.dumps(x)) if x is not None else None
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -12,6 +12,8 @@ from .errors import __all__ as _errors_all
 from .lifecycle import RegionInfo, find_regions, gc, record_owner
 from .pool import FORMAT_VERSION, MemoryPool, PoolStats, Table, TableConfig, destroy_pool, read_header
 from .tiers import TIERS
+from .transaction import Transaction, decode_logged_mark, decode_row_set, record_kind, undo_group_of
 
 __all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "TIERS", "FORMAT_VERSION",
-           "destroy_pool", "read_header", "RegionInfo", "record_owner", "find_regions", "gc", *_errors_all]
+           "destroy_pool", "read_header", "Transaction", "record_kind", "decode_row_set", "decode_logged_mark",
+           "undo_group_of", "RegionInfo", "record_owner", "find_regions", "gc", *_errors_all]

@@ -37,6 +37,7 @@ from .persistence import AppliedMark, persist_rows
 from .tiers import Tier, detect_dax, tier_of
 from .compaction import Compaction
 from .replay import REPLAY_MODES, Replayer
+from .transaction import Transaction
 from .gather import RowGather, copy_row_gathers, row_gathers, rows_per_pair
 from .kjt_lookup import lookup_kjt
 from .tableset import TableSet
@@ -112,7 +113,13 @@ class MemoryPool:
             self.close()
             raise
 
-    # -- the journal: persist (memory_pool/persistence.py), compaction (memory_pool/compaction.py)
+    # -- the journal: transactions (memory_pool/transaction.py), persist (memory_pool/persistence.py),
+    #    compaction (memory_pool/compaction.py)
+    def begin(self, tag: int, doc: dict | None = None) -> Transaction:
+        """A new journal transaction tagged ``tag`` (call order: memory_pool.transaction)."""
+        self._check_writable()
+        return Transaction(self, tag, doc)
+
     def persist_rows(self, pairs) -> int:
         """Make ``[(table, ids)]`` durable now (trusted ids), in one group commit on a
         journaled tier. Returns the row bytes persisted."""

@@ -1,0 +1,130 @@
+"""Replay: re-run the committed steps after a recovery point, checked against their records.
+
+Recovery windows (:mod:`checkpointing.policy`) make the full state durable once per window;
+each step in between leaves only a commit record: the step, its batch's data position and the
+exact bits of its loss. After a crash, recovery (:mod:`checkpointing.recovery`) restores the
+window's start s; this module brings the pool on to the newest committed step k by training
+s+1..k again, which is deterministic (every RNG, the data position and every row are part of
+the state). Each replayed step's loss and position must equal its record bit for bit, checked
+before the step changes a row: the first difference stops the replay with
+:class:`ReplayMismatchError` (exit 11) and leaves the pool at the last step that agreed.
+
+Replay needs the same data: each run records what identifies its data source in the pool
+(:func:`data_identity`: path, size and mtime of a file; of every file of a zarr directory;
+the seed of synthetic data), and the settings that make a step bit-exact (torch's threads, the
+kernel, the device). A source that is gone or changed stops recovery at the window's start
+(:class:`ReplaySourceError`, exit 12): it never replays different data.
+
+``dlrm-cxl recover`` calls :func:`recover_and_replay`; ``train`` replays as it resumes (the
+trainer checks each step it re-runs, see ``Trainer.check_replay``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from .errors import ReplaySourceError
+
+__all__ = ["data_identity", "check_replay_source", "run_settings", "recover_and_replay", "REPLAY_PHASE"]
+
+# `dlrm-cxl recover --crash-at mid-replay`: SIGKILL once half of the steps were replayed (tests:
+# a crash during the replay, then recovery again).
+REPLAY_PHASE = "mid-replay"
+
+
+def data_identity(data: str | None) -> dict:
+    """What identifies a data source: synthetic data by its name (its seed and skew are the
+    pool's own), a file by path, size and mtime, a directory (zarr) by those of every file."""
+    if data is None or str(data) == "synthetic":
+        return {"source": "synthetic"}
+    p = Path(data).resolve()
+    if p.is_dir():
+        files = []
+        for d, _, names in os.walk(p):
+            for n in sorted(names):
+                st = os.stat(os.path.join(d, n))
+                files.append([os.path.relpath(os.path.join(d, n), p), st.st_size, st.st_mtime_ns])
+        return {"source": str(p), "files": sorted(files)}
+    st = p.stat()
+    return {"source": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def check_replay_source(recorded: dict | None, data: str | None, *, first: int, last: int, step: int) -> None:
+    """Raise ReplaySourceError when ``data`` is not the source the steps ``first..last`` read
+    (``recorded``: the pool's ``data_identity`` meta; None for a pool that recorded none)."""
+    if recorded is None:
+        return
+    what = f"steps {first}..{last}" if last > first else f"step {first}"
+    if recorded.get("source") != "synthetic" and not Path(recorded["source"]).exists():
+        raise ReplaySourceError(f"the data file {recorded['source']} that {what} read is gone: the pool stays at "
+                                f"step {step}, the start of its recovery window (a replay never reads other data)")
+    now = data_identity(data)
+    if now != recorded:
+        raise ReplaySourceError(f"the data source {recorded.get('source')} changed since {what} read it "
+                                f"(size or modification time differ): the pool stays at step {step}, the start of "
+                                f"its recovery window (a replay never reads other data)")
+
+
+def run_settings(threads: int, kernel: str, device: str) -> dict:
+    """What a replay must run with to be bit-exact: recorded in the pool at each run's start."""
+    return {"threads": threads, "kernel": kernel, "device": device}
+
+
+def recover_and_replay(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
+                       no_replay: bool = False, log: Callable[[str], None] | None = None):
+    """Recover ``path`` (a pool or a job) to its newest recovery point, then replay the committed
+    steps after it (a single pool; a job's ranks replay together when ``train`` resumes them).
+    Returns the recovery report with the replay filled in (``committed_step``: where the pool is
+    now). ``seconds``: the whole of it, opening the pool included, imports not."""
+    from checkpointing import committed_state, recover_path, state_digest
+    from checkpointing.crash import die
+    from memory_pool import MemoryPool, read_header
+
+    from .options import TrainOptions
+    from .trainer import Trainer
+
+    from checkpointing.jobdir import is_job
+
+    t0 = time.perf_counter()
+    phase = crash_phase if crash_phase != REPLAY_PHASE else None
+    if dry_run or is_job(path):
+        return recover_path(path, dry_run=dry_run, digest=digest, crash_phase=phase, no_replay=no_replay)
+    rep = recover_path(path, dry_run=False, digest=False, crash_phase=phase, no_replay=no_replay)
+    todo = [k for k in rep.replay_steps if rep.committed_step is not None and k > rep.committed_step]
+    if todo and not no_replay:
+        meta = read_header(path).get("meta", {})
+        try:
+            check_replay_source(meta.get("data_identity"), meta.get("data"), first=todo[0], last=todo[-1],
+                                step=rep.committed_step)
+        except ReplaySourceError as exc:
+            rep.replay_stopped = exc.message
+            raise
+        run = meta.get("run") or {}
+        t1 = time.perf_counter()
+        opts = TrainOptions(pool=str(path), steps=todo[-1], data=meta.get("data") or "synthetic",
+                            seed=meta.get("seed", 0), zipf_alpha=meta.get("zipf_alpha", 1.05), threads=run.get("threads"),
+                            kernel=run.get("kernel", "fused"), device=run.get("device", "cpu"), progress=False,
+                            crash_at=None)
+        trainer = Trainer(opts, None, log=log or (lambda s: None))
+        if crash_phase == REPLAY_PHASE:
+            trainer.after_step = lambda k: die(f"{REPLAY_PHASE} (replayed to step {k})") \
+                if k >= rep.committed_step + max(1, len(todo) // 2) else None
+        try:
+            summary = trainer.run()
+        finally:
+            trainer.close()
+        rep.replayed = summary.replayed_steps
+        rep.replay_seconds = time.perf_counter() - t1
+        rep.committed_step = summary.end_step
+        rep.actions.append(f"replayed steps {todo[0]}..{todo[-1]} from their commit records: every loss "
+                           f"reproduced bit for bit")
+    elif todo:
+        rep.replay_stopped = "--no-replay"
+    rep.seconds = time.perf_counter() - t0
+    if digest and rep.committed_step is not None:
+        with MemoryPool.open(path, read_only=True, consistent=True, replay="on-demand") as p:
+            rep.state_digest = state_digest(p, committed_state(p)[1])
+    return rep
