@@ -205,7 +205,10 @@ def checkpoint_status(pool: MemoryPool) -> dict:
         "torn_bytes": j.torn_bytes if j is not None else 0,
         "damaged": damaged,
         "trained_without_undo": marker,
-        "needs_recovery": bool((undo_in_tail and not pool.journaled) or damaged or marker or later or replay),
+        # (records after the recovery point: rolled back, or kept only as the witnesses of a
+        # replay, by recovery; a replay left to do alone changes nothing of the state on media)
+        "needs_recovery": bool((undo_in_tail and not pool.journaled) or damaged or marker or later),
+        "needs_replay": bool(replay),
     }
 
 

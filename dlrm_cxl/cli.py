@@ -99,6 +99,10 @@ def _cmd_inspect(args) -> int:
         print(f"row overlay: {ov['runs']} runs, {ov['bytes'] / 1e6:.1f} MB, {ov['rows']:,} rows kept out of the "
               f"images (memory_pool/overlay.py)")
     print(f"step reached (committed): {status['committed_step']}")
+    if status.get("replay_steps"):
+        r = status["replay_steps"]
+        print(f"committed steps {r[0]}..{r[-1]} after it are replayed from their records by `dlrm-cxl recover` "
+              f"(or the next `train`): the recovery window's steps")
     if status["needs_recovery"]:
         print(f"needs recovery: uncommitted steps {status['steps_to_roll_back']}"
               + (f"; damage: {status['damaged']}" if status["damaged"] else "")

@@ -6,8 +6,8 @@ pre-generated SyntheticData batches and the same model, measured side by side in
 timed windows (A B C D E, B C D E A, ...) after a warm-up; medians over ``--rounds``:
 
 * ``none``            ``--checkpoint none`` (no recovery point while training);
-* ``undo de=1``       batch-aware undo logging, dense snapshot every step (the default);
-* ``undo de=M``       the same, dense snapshot every M steps (``--dense-every``, default 10);
+* ``undo w=1``        batch-aware undo logging, a recovery point every step (--window 1);
+* ``undo w=M``        the same, recovery windows of M steps (``--window``, default 10);
 * ``full N``          torch.save of the whole model every N steps, synchronous and durable
                       (FullSaveCheckpointer in tools/baselines.py; ``--every``, default 10);
 * ``incremental N``   the rows changed since the last checkpoint + dense state every N steps
@@ -33,7 +33,7 @@ Usage::
 
     python tools/bench_checkpoint.py                         # small preset, pmem tier
     python tools/bench_checkpoint.py --quick                 # tiny preset: smoke test
-    python tools/bench_checkpoint.py --rounds 9 --steps 30 --every 10 --dense-every 10
+    python tools/bench_checkpoint.py --rounds 9 --steps 30 --every 10 --window 10
     python tools/bench_checkpoint.py --kaggle                # + full-size recovery (slow)
 """
 
@@ -161,9 +161,9 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--tier", default="pmem", choices=["shm", "pmem", "power-sim"])
     p.add_argument("--every", type=int, default=10, help="full/incremental: checkpoint every N steps (default 10)")
-    p.add_argument("--dense-every", type=int, default=10, help="the second undo variant's dense_every (default 10)")
+    p.add_argument("--window", type=int, default=10, help="the second undo variant's recovery window (default 10)")
     p.add_argument("--steps", type=int, default=20, help="steps per timed window; rounded up to a multiple "
-                   "of --every and --dense-every (default 20)")
+                   "of --every and --window (default 20)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant (default: --every)")
     p.add_argument("--num-batches", type=int, default=32)
@@ -183,11 +183,11 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.quick:
         a.preset = "tiny" if a.preset == "small" else a.preset
-        a.every, a.dense_every = min(a.every, 5), min(a.dense_every, 5)
+        a.every, a.window = min(a.every, 5), min(a.window, 5)
         a.steps, a.rounds, a.num_batches, a.recover_reps = 5, min(a.rounds, 2), 8, min(a.recover_reps, 2)
     if a.warmup is None:
         a.warmup = a.every
-    lcm = a.every * a.dense_every // _gcd(a.every, a.dense_every)
+    lcm = a.every * a.window // _gcd(a.every, a.window)
     a.steps = -(-a.steps // lcm) * lcm
     return a
 
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     own_workdir = a.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="dlrm-bench-ckpt-")) if own_workdir else a.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    N, M = a.every, a.dense_every
+    N, M = a.every, a.window
     print(f"$ {command_line()}")
     print(f"# {machine_line()}")
     print(f"# preset {a.preset}: {sum(cfg.num_embeddings):,} rows x dim {cfg.embedding_dim} "
@@ -235,11 +235,11 @@ def bench_training(a, cfg, workdir: Path, N: int, M: int) -> dict:
     batches = make_batches(cfg, a.num_batches)
     variants = [
         PoolVariant("none", cfg, batches, workdir, tier=a.tier, checkpoint="none"),
-        PoolVariant("undo de=1", cfg, batches, workdir, tier=a.tier, checkpoint="undo", dense_every=1),
+        PoolVariant("undo w=1", cfg, batches, workdir, tier=a.tier, checkpoint="undo", window=1),
     ]
     if M != 1:
-        variants.append(PoolVariant(f"undo de={M}", cfg, batches, workdir, tier=a.tier, checkpoint="undo",
-                                    dense_every=M))
+        variants.append(PoolVariant(f"undo w={M}", cfg, batches, workdir, tier=a.tier, checkpoint="undo",
+                                    window=M))
     variants += [
         PoolVariant(f"full {N}", cfg, batches, workdir, tier=a.tier,
                     ckpt_factory=lambda pool, ds: FullSaveCheckpointer(pool, ds, every=N)),
@@ -296,9 +296,9 @@ def bench_training(a, cfg, workdir: Path, N: int, M: int) -> dict:
     print(fmt_table(["variant", "steps/s (median)", "min-max", "vs none", "CPU ms/step", "MB/step (ckpt stats)",
                      "MB/step to device",
                      "ckpt critical ms/step", "log wait ms/step", "drain ms/window", "max steps lost"], rows))
-    undo1 = median(res["undo de=1"]) / cfg.batch_size
-    print(f"\ntarget: undo logging costs <= 3% of steps/s -> undo de=1: {100 * (1 - undo1 / base):.1f}% "
-          f"slower than none" + (f"; undo de={M}: {100 * (1 - median(res[f'undo de={M}']) / cfg.batch_size / base):.1f}%"
+    undo1 = median(res["undo w=1"]) / cfg.batch_size
+    print(f"\ntarget: undo logging costs <= 3% of steps/s -> undo w=1: {100 * (1 - undo1 / base):.1f}% "
+          f"slower than none" + (f"; undo w={M}: {100 * (1 - median(res[f'undo w={M}']) / cfg.batch_size / base):.1f}%"
                                  if M != 1 else ""))
     print("MB/step (ckpt stats): CheckpointStats.bytes_durable_per_step (log + dense + table bytes the "
           "checkpointer reports). MB/step to device: this process's write_bytes in /proc/self/io per step "

@@ -6,7 +6,7 @@ optimizers: row-wise Adagrad on the embeddings, Adagrad on the dense part):
 
 * ``<tier>/none`` and ``<tier>/undo`` for each ``--tiers`` entry: dlrm-cxl's Trainer driven
   through its Python API (``Trainer.train_step``), tables in a pool of that tier,
-  ``--checkpoint none`` or ``undo`` (dense snapshot every ``--dense-every`` steps);
+  ``--checkpoint none`` or ``undo`` (recovery windows from ``--recovery-budget``, or ``--window W``);
 * ``torchrec``: ``torchrec.models.dlrm.DLRM`` wrapped in ``DistributedModelParallel`` at world
   size 1 on gloo (one process; process group from a ``file://`` store), every table
   TABLE_WISE with the FUSED compute kernel and ``EmbOptimType.EXACT_ROWWISE_ADAGRAD`` fused
@@ -149,11 +149,11 @@ class PoolVariant:
     """
 
     def __init__(self, name: str, cfg: ModelConfig, batches: list, workdir: Path, *, tier: str,
-                 checkpoint: str = "undo", dense_every: int = 1,
+                 checkpoint: str = "undo", window: int | None = 1, recovery_budget: float = 1.0,
                  ckpt_factory: Callable | None = None, seed: int = 0, live_dense: bool = False):
         self.name, self.cfg, self.batches = name, cfg, batches
         self.live_dense = live_dense
-        self.tier, self.checkpoint, self.dense_every = tier, checkpoint, dense_every
+        self.tier, self.checkpoint, self.window, self.recovery_budget = tier, checkpoint, window, recovery_budget
         self.ckpt_factory = ckpt_factory
         self.path = workdir / ("pool-" + name.replace("/", "-").replace(" ", "").replace("=", ""))
         self.seed = seed
@@ -165,7 +165,7 @@ class PoolVariant:
     def setup(self) -> None:
         o = TrainOptions(pool=str(self.path), steps=NEVER, tier=self.tier, seed=self.seed,
                          checkpoint="none" if self.ckpt_factory else self.checkpoint,
-                         dense_every=self.dense_every, progress=False, fresh=True)
+                         window=self.window, recovery_budget=self.recovery_budget, progress=False, fresh=True)
         self.trainer = Trainer(o, self.cfg, log=lambda s: None)
         if self.ckpt_factory is not None:
             self.trainer.ckpt.close()
@@ -189,7 +189,9 @@ class PoolVariant:
             for batch, plan in planned:
                 k = self.k + 1
                 tr.set_batch_position(k, {"batch": k})
+                ts = time.perf_counter()
                 tr.train_step(k, batch, plan)
+                tr.ckpt.observe_step(time.perf_counter() - ts)  # (as Trainer.run: the window follows it)
                 self.k = k
         t1 = time.perf_counter()
         drain(tr.ckpt)
@@ -346,7 +348,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoints", default="none,undo",
                    help="comma-separated subset of none,floor,undo (floor: the bytes of a recovery point copied "
                         "and checksummed, nothing else: BytesFloorCheckpointer in tools/baselines.py)")
-    p.add_argument("--dense-every", type=int, default=1, help="undo variants: dense snapshot every N steps")
+    p.add_argument("--window", type=int, default=None,
+                   help="undo variants: a fixed recovery window of W steps (default: from --recovery-budget)")
+    p.add_argument("--recovery-budget", type=float, default=1.0, help="undo variants: seconds (default 1.0)")
     p.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec reference")
     p.add_argument("--num-batches", type=int, default=32, help="distinct pre-generated batches, cycled")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -388,7 +392,7 @@ def main(argv=None) -> int:
                                             ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds)))
             elif c in ("none", "undo"):
                 variants.append(PoolVariant(f"{t}/{c}", cfg, batches, workdir, tier=t, checkpoint=c,
-                                            dense_every=a.dense_every))
+                                            window=a.window, recovery_budget=a.recovery_budget))
             else:
                 raise SystemExit(f"--checkpoints: unknown {c!r} (none, floor, undo)")
     if not a.no_torchrec:

@@ -2,7 +2,7 @@
 """Torture test: SIGKILL ``dlrm-cxl train`` from outside at random moments, recover, resume.
 
     python tools/torture.py --trials M [--steps N] [--tiers pmem,power-sim,shm] [--preset tiny]
-                            [--seed S] [--pool-dir DIR] [--dense-every D] [--threads T]
+                            [--seed S] [--pool-dir DIR] [--window W] [--threads T]
                             [--min-rolled-back F] [--fresh-left F] [--fresh-processes]
     python tools/torture.py --quick     # CI: power-sim, pmem and shm, 3 trials each, 30 steps, tiny
 
@@ -601,8 +601,9 @@ def summary_line(label: str, c: dict) -> str:
             f"{c['after_end']} after end (not counted)")
 
 
-def _flags(*, tier: str, preset: str, seed: int, dense_every: int, threads: int) -> list[str]:
-    return ["--preset", preset, "--tier", tier, "--seed", str(seed), "--dense-every", str(dense_every),
+def _flags(*, tier: str, preset: str, seed: int, window: int | None, threads: int) -> list[str]:
+    return ["--preset", preset, "--tier", tier, "--seed", str(seed),
+            *(["--window", str(window)] if window is not None else []),
             "--threads", str(threads)]
 
 
@@ -615,7 +616,7 @@ def start_uninterrupted(pool: Path, steps: int, flags: list[str]) -> subprocess.
 
 
 def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str, seed: int, pool_dir: Path,
-                 dense_every: int = 1, threads: int = 1, fresh_left: float = 0.25, log=print,
+                 window: int | None = None, threads: int = 1, fresh_left: float = 0.25, log=print,
                  uninterrupted: subprocess.Popen | None = None) -> TierResult:
     """The torture of one tier (see the module docstring); ``runner`` runs the trials' processes;
     ``uninterrupted``: the reference run of :func:`start_uninterrupted` if already started."""
@@ -626,7 +627,7 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
     ref_pool, uninterrupted_pool, pool = pool_dir / "reference", pool_dir / "uninterrupted", pool_dir / "trial"
     for p in (ref_pool, pool):
         _remove_pool(p)
-    flags = _flags(tier=tier, preset=preset, seed=seed, dense_every=dense_every, threads=threads)
+    flags = _flags(tier=tier, preset=preset, seed=seed, window=window, threads=threads)
 
     # 1. references: stepped (every k, in the runner) and uninterrupted (a fresh process), side by side.
     t0 = time.perf_counter()
@@ -643,7 +644,7 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
         res.reference_failed = True
         return res
     full_doc = json.loads(f_out)
-    log(f"[{tier}] reference: {steps} steps, preset {preset}, seed {seed}, dense every {dense_every}: "
+    log(f"[{tier}] reference: {steps} steps, preset {preset}, seed {seed}, window {window or 'from the recovery budget'}: "
         f"digest {ref[steps][:16]}... ({time.perf_counter() - t0:.1f} s)")
     if full_doc["state_digest"] != ref[steps]:
         log(f"[{tier}] FAIL: uninterrupted run ends at {full_doc['state_digest']}, the pool stepped one step "
@@ -750,7 +751,9 @@ def _judge(kill: Kill, run, runner: Cli, pool: Path, ref: dict, steps: int, comm
     done = kill.completed or 0
     start = kill.start_step if kill.start_step is not None else done
     kill.reached = done + 1 if start < done < steps else done
-    kill.lost_steps = sorted(set(kill.rolled_back_steps) | set(range((c or 0) + 1, kill.reached + 1)))
+    # (recovery windows: steps rolled back to the window's start and then replayed are not lost)
+    replayed = set(k for k in rep.get("replay_steps", []) if c is not None and k <= c)
+    kill.lost_steps = sorted((set(kill.rolled_back_steps) - replayed) | set(range((c or 0) + 1, kill.reached + 1)))
     if c is None:
         return "recovery found no committed step"
     if c >= steps:  # every step was committed: the kill came during shutdown
@@ -778,7 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tier", choices=TIERS, help="one tier (the same as --tiers TIER)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dense-every", type=int, default=1)
+    p.add_argument("--window", type=int, default=None,
+                   help="the trainer's --window (default: none given, the recovery budget chooses)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every run (default 1)")
     p.add_argument("--pool-dir", type=Path, help="where the pools go (default: a temporary directory, removed)")
     p.add_argument("--min-rolled-back", type=float, default=None,
@@ -815,12 +819,12 @@ def main(argv: list[str] | None = None) -> int:
         # The uninterrupted references (fresh processes) start at once, beside the fork server's start-up.
         for tier in tiers:
             full[tier] = start_uninterrupted(Path(root) / tier / "uninterrupted", a.steps, _flags(
-                tier=tier, preset=a.preset, seed=a.seed, dense_every=a.dense_every, threads=a.threads))
+                tier=tier, preset=a.preset, seed=a.seed, window=a.window, threads=a.threads))
         runner = Cli(fresh=a.fresh_processes, env=BAR_ENV)
         for i, tier in enumerate(tiers):
             n = a.trials // len(tiers) + (i < a.trials % len(tiers))  # --trials in all, split over the tiers
             results.append(torture_tier(runner, trials=n, steps=a.steps, tier=tier, preset=a.preset,
-                                        seed=a.seed, pool_dir=Path(root) / tier, dense_every=a.dense_every,
+                                        seed=a.seed, pool_dir=Path(root) / tier, window=a.window,
                                         threads=a.threads, fresh_left=a.fresh_left, log=log,
                                         uninterrupted=full[tier]))
     finally:

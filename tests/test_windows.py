@@ -1,0 +1,274 @@
+"""Recovery windows with deterministic replay (checkpointing.policy, dlrm_cxl.replay), end to end.
+
+Real processes (forked from one warm interpreter, tools/torture.py), real SIGKILL, real pools.
+The window here is fixed (``--window 4``: recovery points at steps 0, 4, 8, 12; the steps in
+between leave only their commit record), so every crash lands at a known place of a window:
+its first step (5), the middle (6) or its last step (8). The reference is a pool stepped one
+step at a time with ``--window 1`` (a recovery point every step, as before windows existed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpointing
+from checkpointing.policy import FIXED_SHARE, REPLAY_FACTOR, WindowConfig, WindowPolicy
+from checkpointing.store import is_commit
+from memory_pool.journal import Journal
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("dlrm_cxl_torture_w", REPO / "tools" / "torture.py")
+torture = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = torture
+_spec.loader.exec_module(torture)
+
+N = 12
+W = 4
+DATA = REPO / "tests" / "data"
+
+
+def flags(tier: str, *extra) -> list[str]:
+    return ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress", *map(str, extra)]
+
+
+def digest_of(proc) -> str:
+    d = torture.parse_digest(proc.stdout)
+    assert proc.returncode == 0 and d, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return d
+
+
+def as_json(proc, rc: int = 0) -> dict:
+    assert proc.returncode == rc, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout)
+
+
+def killed(proc) -> bool:
+    return proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
+def journal_of(pool: Path) -> Journal:
+    header = json.loads((pool / "pool.json").read_text())
+    return Journal(Path(header["storage_dir"]) / "journal", read_only=True)
+
+
+@pytest.fixture(scope="module")
+def ref(cli, root) -> dict[int, str]:
+    """Digest after each step k = 0..N of a pool stepped one step at a time, a recovery point
+    every step (--window 1); checked against an uninterrupted run with windows."""
+    pool = root / "ref"
+    out = {k: digest_of(cli.run(["train", "--pool", pool, *flags("pmem", "--window", 1), "--steps", k]))
+           for k in range(N + 1)}
+    whole = digest_of(cli.run(["train", "--pool", root / "ref-whole", *flags("shm", "--window", W), "--steps", N]))
+    assert whole == out[N]
+    return out
+
+
+def crash_recover_resume(cli, root, ref, tier: str, k: int, phase: str, name: str) -> dict:
+    """Kill step k in phase, recover (restore + replay), check the digest against the reference
+    at the recovered step and that at most the step in flight and the one before it are lost;
+    resume to N and check the final digest. Returns recover's report."""
+    pool = root / name
+    r = cli.run(["train", "--pool", pool, *flags(tier, "--window", W), "--steps", N, "--crash-at", f"{k}:{phase}"])
+    assert killed(r), (r.returncode, r.stderr[-3000:])
+    status = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
+    s = status["committed_step"]
+    assert s % W == 0 and s <= k, status   # the newest recovery point is a window's start
+    rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
+    c = rep["committed_step"]
+    assert rep["restored_step"] == s, rep
+    assert rep["replay_steps"] == status["replay_steps"] == list(range(s + 1, c + 1)), (rep, status)
+    assert rep["replayed"] == c - s
+    assert k - 2 <= c <= k, (k, c)         # only the step in flight and the one before it are lost
+    assert rep["state_digest"] == ref[c], (c, rep["actions"])
+    again = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
+    assert again["committed_step"] == c and not again["needs_recovery"] and again["replay_steps"] == []
+    res = cli.run(["train", "--pool", pool, *flags(tier), "--steps", N])
+    assert f"step {c} -> {N}" in res.stdout, res.stdout
+    assert digest_of(res) == ref[N]
+    return rep
+
+
+# ---------------------------------------------------------------------------- crashes in a window
+
+
+@pytest.mark.parametrize("phase", checkpointing.PHASES)
+def test_crash_mid_window_at_every_phase_replays_bit_exact(cli, root, ref, phase):
+    # shm, a direct tier: rows logged at their first touch in the window only
+    crash_recover_resume(cli, root, ref, "shm", 6, phase, f"mid-{phase}")
+
+
+@pytest.mark.parametrize("tier", ["shm", "pmem", "power-sim"])
+@pytest.mark.parametrize("where,k", [("first", 5), ("last", 8)])
+@pytest.mark.parametrize("phase", ["mid-update", "before-commit"])
+def test_crash_at_a_windows_first_and_last_step_replays_bit_exact(cli, root, ref, tier, where, k, phase):
+    rep = crash_recover_resume(cli, root, ref, tier, k, phase, f"{where}-{tier}-{phase}")
+    if where == "last" and phase == "before-commit":
+        # step 8 closes the window: its recovery point was not durable, steps 5-7 are replayed
+        assert rep["restored_step"] == 4 and rep["committed_step"] == 7
+
+
+@pytest.mark.parametrize("tier", ["pmem", "shm"])
+def test_crash_during_the_replay_then_recover_again_is_bit_exact(cli, root, ref, tier):
+    pool = root / f"replay-crash-{tier}"
+    assert killed(cli.run(["train", "--pool", pool, *flags(tier, "--window", W), "--steps", N,
+                           "--crash-at", "8:before-commit"]))
+    r = cli.run(["recover", "--pool", pool, "--crash-at", "mid-replay"])
+    assert killed(r), (r.returncode, r.stderr[-2000:])
+    assert "mid-replay" in r.stderr
+    rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
+    assert rep["committed_step"] == 7 and rep["state_digest"] == ref[7], rep
+    twice = as_json(cli.run(["recover", "--pool", pool, "--json"]))
+    assert twice["committed_step"] == 7 and twice["replayed"] == 0 and twice["state_digest"] == ref[7]
+    assert digest_of(cli.run(["train", "--pool", pool, *flags(tier), "--steps", N])) == ref[N]
+
+
+def test_train_resumes_by_replaying_the_committed_steps(cli, root, ref):
+    pool = root / "train-replays"
+    assert killed(cli.run(["train", "--pool", pool, *flags("power-sim", "--window", W), "--steps", N,
+                           "--crash-at", "7:after-update"]))
+    todo = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]["replay_steps"]
+    assert todo in ([5], [5, 6]), todo   # (step 6's commit may still have been in flight)
+    res = cli.run(["train", "--pool", pool, *flags("power-sim"), "--steps", N, "--json"])
+    out = as_json(res)
+    assert f"replaying steps 5..{todo[-1]}" in res.stderr, res.stderr[-2000:]
+    assert out["replayed_steps"] == len(todo) and out["start_step"] == 4 and out["state_digest"] == ref[N]
+
+
+def test_no_replay_stops_at_the_windows_start_and_training_goes_on_from_there(cli, root, ref):
+    pool = root / "no-replay"
+    assert killed(cli.run(["train", "--pool", pool, *flags("pmem", "--window", W), "--steps", N,
+                           "--crash-at", "7:after-update"]))
+    r = cli.run(["recover", "--pool", pool, "--no-replay"])
+    assert r.returncode == 0 and "--no-replay: the committed steps 5.." in r.stdout, r.stdout
+    st = as_json(cli.run(["inspect", "--pool", pool, "--json"]))
+    assert st["checkpoint"]["committed_step"] == 4 and st["checkpoint"]["replay_steps"] == []
+    assert st["state_digest"] == ref[4]
+    # (deterministic training: the dropped steps are trained again, to the same state)
+    assert digest_of(cli.run(["train", "--pool", pool, *flags("pmem"), "--steps", N])) == ref[N]
+
+
+# ---------------------------------------------------------------------------- what stops a replay
+
+
+def _tsv_pool(cli, root, name: str) -> tuple[Path, Path]:
+    data = root / f"{name}.tsv"
+    shutil.copy(DATA / "criteo_sample_100.tsv", data)
+    pool = root / name
+    r = cli.run(["train", "--pool", pool, *flags("pmem", "--window", W), "--data", data, "--steps", N,
+                 "--crash-at", "8:before-commit"])
+    assert killed(r), r.stderr[-2000:]
+    return pool, data
+
+
+def test_a_changed_data_file_stops_recovery_at_the_windows_start(cli, root):
+    pool, data = _tsv_pool(cli, root, "changed")
+    data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
+    r = cli.run(["recover", "--pool", pool])
+    assert r.returncode == 12, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "changed since steps 5..7 read it" in r.stderr and "stays at step 4" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    st = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
+    assert st["committed_step"] == 4 and st["replay_steps"] == [5, 6, 7]   # nothing lost: kept for a retry
+    t = cli.run(["train", "--pool", pool, "--threads", "1", "--no-progress", "--steps", N])
+    assert t.returncode == 12 and "changed since" in t.stderr
+
+
+def test_a_missing_data_file_stops_recovery_at_the_windows_start(cli, root):
+    pool, data = _tsv_pool(cli, root, "missing")
+    moved = data.rename(data.with_suffix(".moved"))
+    r = cli.run(["recover", "--pool", pool])
+    assert r.returncode == 12 and "is gone" in r.stderr and "stays at step 4" in r.stderr, r.stderr[-2000:]
+    moved.rename(data)   # put back as it was: the replay goes on
+    rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
+    assert rep["committed_step"] == 7 and rep["replayed"] == 3
+
+
+def test_a_non_deterministic_step_gives_a_typed_error_and_the_last_step_that_agreed(root, ref, monkeypatch,
+                                                                                      capsys, cli):
+    pool = root / "nondet"
+    assert killed(cli.run(["train", "--pool", pool, *flags("pmem", "--window", W), "--steps", N,
+                           "--crash-at", "8:before-commit"]))
+    # The second replayed step (6) computes a loss one ulp away from its record.
+    import dlrm_cxl.trainer as trainer_mod
+    from dlrm_cxl.cli import main
+
+    real = trainer_mod.F.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def bce(*a, **kw):
+        loss = real(*a, **kw)
+        calls["n"] += 1
+        return torch.nextafter(loss, torch.tensor(1e9)) if calls["n"] == 2 else loss
+
+    monkeypatch.setattr(trainer_mod.F, "binary_cross_entropy_with_logits", bce)
+    assert main(["recover", "--pool", str(pool)]) == 11
+    err = capsys.readouterr().err
+    assert "replay of step 6: its loss differs" in err and "stays at step 5" in err, err
+    monkeypatch.undo()
+    st = as_json(cli.run(["inspect", "--pool", pool, "--json"]))
+    assert st["checkpoint"]["committed_step"] == 5 and st["state_digest"] == ref[5]
+
+
+# ---------------------------------------------------------------------------- W = 1, the policy
+
+
+def test_window_1_writes_a_full_recovery_point_every_step(cli, root, ref):
+    pool = root / "w1"
+    out = as_json(cli.run(["train", "--pool", pool, *flags("pmem", "--window", 1), "--steps", 6, "--json"]))
+    assert out["state_digest"] == ref[6] and out["window"] == 1
+    txns = journal_of(pool).txns
+    assert [t.tag for t in txns if is_commit(t)][-6:] == [1, 2, 3, 4, 5, 6]
+    assert not [t for t in txns if t.doc.get("kind") == "step"]   # no step record: each step is a commit
+    assert out["checkpoint"]["checkpoints"] == 7   # (step 0, the initial state, included)
+
+
+def test_a_window_makes_fewer_bytes_durable_per_step(cli, root, ref):
+    one = as_json(cli.run(["train", "--pool", root / "bytes-1", *flags("shm", "--window", 1), "--steps", N, "--json"]))
+    eight = as_json(cli.run(["train", "--pool", root / "bytes-8", *flags("shm", "--window", 8), "--steps", N,
+                             "--json"]))
+    assert one["state_digest"] == eight["state_digest"] == ref[N]
+    b1, b8 = one["checkpoint"]["bytes_durable_per_step"], eight["checkpoint"]["bytes_durable_per_step"]
+    assert b8 < 0.6 * b1, (b1, b8)
+    j = journal_of(root / "bytes-8")
+    kinds = [t.doc.get("kind") for t in j.txns if t.tag > 0]
+    assert kinds.count("step") >= N - 3 and all("loss" in t.doc for t in j.txns if t.doc.get("kind") == "step")
+
+
+def test_the_budget_chooses_the_window_from_the_step_time():
+    p = WindowPolicy(WindowConfig(recovery_budget=1.0))
+    assert p.length == 1 and p.next_window() == 1   # no step measured yet
+    for _ in range(50):
+        p.observe(0.05)
+    assert abs(p.step_seconds - 0.05) < 1e-9
+    expect = int(1.0 * (1 - FIXED_SHARE) / (p.step_seconds * REPLAY_FACTOR))
+    assert p.next_window() == expect and 5 <= expect <= 64
+    assert not p.ends(10 + expect - 1, 10) and p.ends(10 + expect, 10)
+    for _ in range(50):
+        p.observe(5.0)   # steps longer than the budget: a recovery point every step
+    assert p.next_window() == 1
+    assert WindowPolicy(WindowConfig(window=7)).next_window() == 7
+
+    class Two:   # several ranks: each window is the smallest any rank chose
+        def global_min(self, v):
+            return min(v, 3)
+
+    assert WindowPolicy(WindowConfig(window=7), coordinator=Two()).next_window() == 3
+    with pytest.raises(ValueError, match="window must be an integer >= 1, got 0"):
+        WindowConfig(window=0)
+    with pytest.raises(ValueError, match="recovery_budget must be > 0"):
+        WindowConfig(recovery_budget=0)
+
+
+def test_bad_window_flags_are_refused_with_exit_2(cli, root):
+    r = cli.run(["train", "--pool", root / "bad-w", *flags("shm", "--window", 0), "--steps", 2])
+    assert r.returncode == 2 and "--window must be an integer >= 1" in r.stderr, r.stderr[-1000:]
+    r = cli.run(["train", "--pool", root / "bad-b", *flags("shm", "--recovery-budget", -1), "--steps", 2])
+    assert r.returncode == 2 and "--recovery-budget" in r.stderr, r.stderr[-1000:]
