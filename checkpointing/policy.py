@@ -87,8 +87,8 @@ class WindowPolicy:
         w = self.cfg.window
         if w is None:
             w = self.from_budget()
-        if self.coordinator is not None:
-            w = self.coordinator.global_min(w)
+            if self.coordinator is not None:  # (a fixed window is the same on every rank already)
+                w = self.coordinator.global_min(w)
         self.length = max(1, w)
         return self.length
 

@@ -302,9 +302,10 @@ class UndoLogCheckpointer(Checkpointer):
         cur = self._cur
         self.stats.steps += 1
         crash_wait = self.crash is not None and self.crash.at(step, *COMMIT_PHASES)
-        # (mid-dense needs a recovery point to crash in)
-        ends = final or (self.crash is not None and self.crash.at(step, "mid-dense")) or \
-            self.policy.ends(step, self.window_start)
+        # (mid-dense needs a recovery point to crash in; not with several ranks, whose windows
+        # must end at the same steps on every rank, and only the crashing rank has the plan)
+        forced = self.crash is not None and self.coordinator is None and self.crash.at(step, "mid-dense")
+        ends = final or forced or self.policy.ends(step, self.window_start)
         if witness is None and cur is not None:
             witness = cur.witness
         doc = {"kind": "commit" if ends else "step", "step": step, **(witness or {})}

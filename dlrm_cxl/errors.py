@@ -50,6 +50,13 @@ PoolNotWritableError      2     train, recover, destroy and import write to the 
                                 make it writable (remount it read-write, `chattr -i`, or fix its
                                 permissions) or copy the pool somewhere writable; inspect, eval
                                 and export read it as it is
+ReplayMismatchError       11    replay with the settings the steps were trained with
+                                (--threads, --kernel, --device, the same torch/fbgemm); or
+                                `dlrm-cxl recover --no-replay` to drop the recorded steps and
+                                continue from the pool's step
+ReplaySourceError         12    put the data file back as it was and run `dlrm-cxl recover`
+                                again, or `dlrm-cxl recover --no-replay` to drop the recorded
+                                steps and continue from the pool's step
 ========================  ====  ==============================================================
 
 Outside the hierarchy, ``dlrm-cxl`` also exits 2 for any other ``ValueError`` (a bad option),

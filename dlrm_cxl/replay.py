@@ -68,9 +68,11 @@ def check_replay_source(recorded: dict | None, data: str | None, *, first: int, 
                                 f"its recovery window (a replay never reads other data)")
 
 
-def run_settings(threads: int, kernel: str, device: str) -> dict:
-    """What a replay must run with to be bit-exact: recorded in the pool at each run's start."""
-    return {"threads": threads, "kernel": kernel, "device": device}
+def run_settings(threads: int, kernel: str, device: str, dram_cache_bytes: int | None = None) -> dict:
+    """What a replay must run with to be bit-exact, recorded in the pool at each run's start:
+    torch's threads, the kernels the steps ran on (fused, or the reference path: also what a
+    DRAM row cache or several ranks imply), the device, the DRAM cache's budget."""
+    return {"threads": threads, "kernel": kernel, "device": device, "dram_cache_bytes": dram_cache_bytes}
 
 
 def recover_and_replay(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,
@@ -107,7 +109,7 @@ def recover_and_replay(path, *, dry_run: bool = False, digest: bool = True, cras
         opts = TrainOptions(pool=str(path), steps=todo[-1], data=meta.get("data") or "synthetic",
                             seed=meta.get("seed", 0), zipf_alpha=meta.get("zipf_alpha", 1.05), threads=run.get("threads"),
                             kernel=run.get("kernel", "fused"), device=run.get("device", "cpu"), progress=False,
-                            crash_at=None)
+                            dram_cache_bytes=run.get("dram_cache_bytes"), crash_at=None)
         trainer = Trainer(opts, None, log=log or (lambda s: None))
         if crash_phase == REPLAY_PHASE:
             trainer.after_step = lambda k: die(f"{REPLAY_PHASE} (replayed to step {k})") \

@@ -130,7 +130,8 @@ class Trainer:
                                 last=max(self.witness), step=self.step)
             self.ckpt.carry = dict(self.witness)
         else:
-            settings = run_settings(torch.get_num_threads(), o.kernel, o.device)
+            settings = run_settings(torch.get_num_threads(), "fused" if self.fused else "reference", o.device,
+                                    o.dram_cache_bytes)
             ident = data_identity(o.data)
             if meta.get("data_identity") != ident or meta.get("run") != settings:
                 self.pool.set_meta(data_identity=ident, run=settings)

@@ -57,7 +57,8 @@ def _baselines():
 
 
 def flags(tier="pmem", *extra) -> list[str]:
-    return ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress", *map(str, extra)]
+    # (--window 1: a recovery point every step, unless ``extra`` gives another --window)
+    return ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress", "--window", "1", *map(str, extra)]
 
 
 def ok_json(proc) -> dict:
@@ -570,31 +571,35 @@ def _journal_state(pool: Path) -> tuple[int, list[int], int, int]:
     return j.live_bytes, [int(p.stem[4:], 16) for p in segs], start, footprint
 
 
-@pytest.mark.parametrize("tier,dense_every", [("shm", 1), ("shm", 10), ("power-sim", 1), ("power-sim", 10)])
-def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_every):
+@pytest.mark.parametrize("tier,window", [("shm", 1), ("shm", 10), ("power-sim", 1), ("power-sim", 10)])
+def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, window):
     """Once the live journal passes the compaction threshold (DLRM_CXL_COMPACT_MB=1 here), the
     segments before the newest recovery point are compacted (journaled tiers: written back into
     the table images) and dropped. So the live journal stays within the threshold plus what a
     few recovery intervals append, however many steps run; and what is left still recovers to
     the same state."""
-    pool = root / f"bounded-{tier}-{dense_every}"
-    env = {**os.environ, "DLRM_CXL_COMPACT_MB": "1", "PYTHONPATH": str(REPO)}
+    pool = root / f"bounded-{tier}-{window}"
+    # (a window of 10 makes about a third of the bytes durable: the same test at a third of the
+    # threshold)
+    mb = 1.0 if window == 1 else 0.34
+    env = {**os.environ, "DLRM_CXL_COMPACT_MB": str(mb), "PYTHONPATH": str(REPO)}
+    thr = int(mb * (1 << 20))
     live, files = [], []
     for steps in (40, 80):  # the second run reopens the pool: its journal must not keep the first's
-        proc = subprocess.run(torture.cli_cmd("train", "--pool", pool, *flags(tier), "--dense-every", dense_every,
+        proc = subprocess.run(torture.cli_cmd("train", "--pool", pool, *flags(tier), "--window", window,
                                               "--steps", steps, "--json"),
                               capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
         doc = ok_json(proc)
         ck = doc["checkpoint"]
         assert ck["last_commit_step"] == steps and ck["checkpoints"] >= 2
         appended = ck["bytes_durable_per_step"] * ck["steps"]
-        assert appended > 2 << 20, "the run must append well past the threshold for the test to mean anything"
+        assert appended > 2 * thr, "the run must append well past the threshold for the test to mean anything"
         n, firsts, start, footprint = _journal_state(pool)
         live.append(n)
         files.append(footprint)
         # The threshold, plus what is appended while a background compaction runs (at most about
         # another threshold's worth), plus a few recovery intervals.
-        bound = 2 * (1 << 20) + 3 * dense_every * ck["bytes_durable_per_step"] + (256 << 10)
+        bound = 2 * thr + 3 * window * ck["bytes_durable_per_step"] + (256 << 10)
         assert n <= bound, (steps, n, bound, firsts)
         assert start > 0 and firsts and firsts[0] == start and len(firsts) <= 8, (start, firsts)
         # what is left is a consistent pool at the last step
@@ -605,23 +610,26 @@ def test_the_journal_does_not_grow_with_the_number_of_steps(root, tier, dense_ev
     # (2 MiB: the threshold plus what a compaction still running at the end lets through, as in
     # the bound above; whether the last one finished before the run closed is timing. Keeping the
     # first run's journal would add its ~6 MB.)
-    assert live[1] < 2 * max(live[0], 2 << 20), live
-    assert files[1] < 2 * max(files[0], 1 << 20), files  # recycled segments: the files do not grow either
+    assert live[1] < 2 * max(live[0], 2 * thr), live
+    assert files[1] < 2 * max(files[0], thr), files  # recycled segments: the files do not grow either
 
 
-def test_a_long_recovery_interval_rolls_back_every_step_since_the_last_recovery_point(cli, root):
-    """--dense-every larger than the run: the only recovery point is step 0, and a crash rolls
-    back every step since (shm: each from its undo records), exactly."""
+def test_a_long_window_rolls_back_every_step_since_its_start_then_replays_them(cli, root):
+    """--window larger than the run: the only recovery point is step 0. A crash rolls back every
+    step since (shm: each from the undo records of the rows it touched first), exactly; the
+    steps committed before the crash are then replayed from their records."""
     pool, ref = root / "long-interval", root / "long-interval-ref"
-    r = cli.run(["train", "--pool", pool, *flags("shm"), "--dense-every", 1000, "--steps", 30,
+    r = cli.run(["train", "--pool", pool, *flags("shm"), "--window", 1000, "--steps", 30,
                  "--crash-at", "26:after-update"])
     assert r.returncode == -9, r.stderr[-2000:]
     rep = ok_json(cli.run(["recover", "--pool", pool, "--json"]))
-    assert rep["committed_step"] == 0 and rep["rolled_back_steps"] == list(range(26, 0, -1))
+    assert rep["restored_step"] == 0 and rep["rolled_back_steps"] == list(range(26, 0, -1))
     assert rep["rows_restored"] > 0
-    ref_0 = torture.parse_digest(cli.run(["train", "--pool", ref, *flags("shm"), "--steps", 0]).stdout)
-    assert rep["state_digest"] == ref_0
-    a = torture.parse_digest(cli.run(["train", "--pool", pool, *flags("shm"), "--dense-every", 1000,
+    c = rep["committed_step"]
+    assert c in (24, 25) and rep["replayed"] == c and rep["replay_steps"] == list(range(1, c + 1))
+    ref_c = torture.parse_digest(cli.run(["train", "--pool", ref, *flags("shm"), "--steps", c]).stdout)
+    assert rep["state_digest"] == ref_c
+    a = torture.parse_digest(cli.run(["train", "--pool", pool, *flags("shm"), "--window", 1000,
                                       "--steps", 30]).stdout)
     b = torture.parse_digest(cli.run(["train", "--pool", ref, *flags("shm"), "--steps", 30]).stdout)
     assert a == b and a is not None

@@ -64,14 +64,20 @@ def test_two_rank_job_shards_tables_and_inspect_reports_the_job(reference):
     assert not set(names[0]) & set(names[1])
 
 
-def test_killed_rank_is_restarted_by_torchrun_and_the_job_ends_bit_exact(reference, tmp_path):
+@pytest.mark.parametrize("window", [None, "3"])
+def test_killed_rank_is_restarted_by_torchrun_and_the_job_ends_bit_exact(reference, tmp_path, window):
+    """(--window 3: recovery points at steps 3 and 6; the kill at step 5 sends both ranks back to
+    step 3, and they replay step 4 together from its records.)"""
     _, ref_digest = reference
     pool = tmp_path / "job"
-    out = _torchrun(pool, "--crash-rank", "1", "--crash-at", "5:mid-update", restarts=3)
+    out = _torchrun(pool, "--crash-rank", "1", "--crash-at", "5:mid-update", *(["--window", window] if window else []),
+                    restarts=3)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "crash injection: SIGKILL at step 5 mid-update" in out.stderr
     assert "recovered to step" in out.stdout + out.stderr  # the restarted job recovered first
     assert _digest(out) == ref_digest
+    if window:
+        assert "replaying steps 4.." in out.stdout + out.stderr, out.stdout[-2000:]
 
 
 def test_job_interrupted_without_restart_recovers_with_the_cli_and_resumes_bit_exact(reference, tmp_path):
@@ -125,7 +131,7 @@ def test_rank_ahead_of_the_others_is_rolled_back_to_the_global_commit(tmp_path):
         pools.append(pool)
     dense = lambda step: {"step": step, "model": {}, "optimizer": {}, "data_position": None, "rng": {}}
     for r in range(2):
-        ckpts.append(UndoLogCheckpointer(pools[r], dense, dense_every=1, coordinator=coord))
+        ckpts.append(UndoLogCheckpointer(pools[r], dense, window=1, coordinator=coord))
     coord.ckpts = ckpts
     for c in ckpts:
         c.checkpoint_now(0)

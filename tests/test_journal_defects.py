@@ -419,7 +419,7 @@ def test_a_journal_cut_below_a_durable_commit_is_damage_that_recover_refuses_cha
     """The issue's repro: a pmem pool's 4.8 MB journal cut to 2 MB. Before the fix `recover`
     went back from step 30 to step 12 and called the rest an unfinished tail."""
     pool = tmp_path / "pool"
-    args = ["--preset", "tiny", "--tier", "pmem", "--threads", "1", "--no-progress"]
+    args = ["--preset", "tiny", "--tier", "pmem", "--threads", "1", "--no-progress", "--window", "1"]
     r = _cli("train", "--pool", pool, *args, "--steps", 30)
     assert r.returncode == 0, r.stderr[-3000:]
     (seg,) = (pool / "journal").glob("seg-*.log")

@@ -45,7 +45,7 @@ LOGGED = getattr(RecordType, "LOGGED", 5)
 
 def flags(tier: str) -> list[str]:
     tier, writer = ("shm", ["--writer", "inline"]) if tier == "shm-inline" else (tier, [])
-    return ["--preset", "tiny", "--tier", tier, *writer, "--threads", "1", "--no-progress"]
+    return ["--preset", "tiny", "--tier", tier, *writer, "--threads", "1", "--no-progress", "--window", "1"]
 
 
 def killed(proc) -> bool:
@@ -332,7 +332,8 @@ def test_the_mark_follows_the_records_barrier_and_is_durable_before_persist_retu
         s = pool.create_table("t.adagrad", 64, 1, init="zeros")
         ck = UndoLogCheckpointer(pool, lambda k: {"step": k})
         ck.checkpoint_now(0)
-        spy = ck.journal = _Spy(pool.journal, sync)
+        real = pool.journal
+        spy = ck.journal = pool.journal = _Spy(real, sync)   # (the step's Transaction writes through the pool's)
         ck.begin_step(1)
         ck.log_before_image([(t, torch.tensor([1, 2])), (s, torch.tensor([1, 2]))])
         ck.persist()
@@ -340,6 +341,7 @@ def test_the_mark_follows_the_records_barrier_and_is_durable_before_persist_retu
         ck.update(lambda: t.write(torch.tensor([1]), torch.zeros(1, 4)))
         ck.commit(1)
         ck.close()
+        pool.journal = real
         if sync:
             assert events == [("append", ["UNDO", "UNDO"]), ("flush",), ("append", ["LOGGED"]), ("flush",)], events
         else:

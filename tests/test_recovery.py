@@ -71,7 +71,10 @@ IN_COMMIT = ("before-commit", "mid-dense")
 
 def flags(tier: str, *extra) -> list[str]:
     tier, writer = ("shm", ["--writer", "inline"]) if tier == "shm-inline" else (tier, [])
-    return ["--preset", "tiny", "--tier", tier, *writer, "--threads", "1", "--no-progress", *map(str, extra)]
+    # (--window 1: a full recovery point every step, what this matrix was written for; windows
+    # with replay: tests/test_windows.py. A later --window in ``extra`` wins.)
+    return ["--preset", "tiny", "--tier", tier, *writer, "--threads", "1", "--no-progress", "--window", "1",
+            *map(str, extra)]
 
 
 def digest_of(proc: subprocess.CompletedProcess) -> str:
@@ -304,27 +307,28 @@ def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root,
 
 
 def _multi_step_crash(cli, pool: Path, tier: str) -> None:
-    """Kill at step 7 with --dense-every 4: steps 5, 6, 7 after the commit of step 4. (On the
+    """Kill at step 7 with --window 4: steps 5, 6, 7 after the commit of step 4. (On the
     journaled tiers at step 8's commit, once steps 5-8's records are synced and before their END:
     what a power loss keeps. The records of steps 5-7 alone are never synced, and the emulated
     power loss of those tiers takes them back: nothing would be left to roll back.)"""
     at = "7:after-update" if tier == "shm" else "8:before-commit"
-    r = cli.run(["train", "--pool", pool, *flags(tier, "--dense-every", 4), "--steps", N,
+    r = cli.run(["train", "--pool", pool, *flags(tier, "--window", 4), "--steps", N,
                  "--crash-at", at])
     assert killed(r), r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def multi_step_crash(cli, root):
-    """Per journaled tier: a pool killed at step 7 with --dense-every 4 (several steps after the
-    commit), and the report of a clean recovery of a copy of it. (An shm pool cannot be copied:
+    """Per journaled tier: a pool killed at step 7 with --window 4 (several steps after the
+    commit), and the report of a clean recovery of a copy of it, which stops at the window's start
+    (--no-replay: what is tested here is the rollback; the replay: tests/test_windows.py). (An shm pool cannot be copied:
     its region is named after the pool. The shm cases crash two pools the same way instead.)"""
     out = {}
     for tier in TIERS:
         pool = root / f"multi-{tier}"
         _multi_step_crash(cli, pool, tier)
         clean = copy_pool(pool, root / f"multi-{tier}-clean")
-        out[tier] = (pool, as_json(cli.run(["recover", "--pool", clean, "--json"])))
+        out[tier] = (pool, as_json(cli.run(["recover", "--pool", clean, "--json", "--no-replay"])))
         assert out[tier][1]["committed_step"] == 4 and out[tier][1]["rolled_back_steps"], \
             (tier, out[tier][1], journal_layout(pool))
     return out
@@ -339,7 +343,7 @@ def test_crash_during_recovery_then_recover_again_equals_a_clean_recovery(cli, r
     if tier == "shm":
         clean_pool = root / f"rcrash-{tier}-{rphase}-clean"
         _multi_step_crash(cli, clean_pool, tier)
-        clean = as_json(cli.run(["recover", "--pool", clean_pool, "--json"]))
+        clean = as_json(cli.run(["recover", "--pool", clean_pool, "--json", "--no-replay"]))
         assert clean["committed_step"] == 4 and clean["rolled_back_steps"] == [7, 6, 5], clean
         assert clean["rows_restored"] > 0
         pool = root / f"rcrash-{tier}-{rphase}"
@@ -347,7 +351,7 @@ def test_crash_during_recovery_then_recover_again_equals_a_clean_recovery(cli, r
     else:
         src, clean = multi_step_crash[tier]
         pool = copy_pool(src, root / f"rcrash-{tier}-{rphase}")
-    r = cli.run(["recover", "--pool", pool, "--crash-at", rphase])
+    r = cli.run(["recover", "--pool", pool, "--crash-at", rphase, "--no-replay"])
     assert killed(r), (r.returncode, r.stderr)
     assert "crash injection: SIGKILL at recovery" in r.stderr
     status = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
@@ -355,7 +359,7 @@ def test_crash_during_recovery_then_recover_again_equals_a_clean_recovery(cli, r
     if tier == "shm":
         assert status["needs_recovery"]
 
-    again = as_json(cli.run(["recover", "--pool", pool, "--json"]))
+    again = as_json(cli.run(["recover", "--pool", pool, "--json", "--no-replay"]))
     assert again["committed_step"] == clean["committed_step"]
     assert again["rolled_back_steps"] == clean["rolled_back_steps"]
     assert again["rows_restored"] == clean["rows_restored"]

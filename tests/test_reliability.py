@@ -73,10 +73,11 @@ def _journal_bytes(pool: Path) -> int:
 
 def test_full_disk_while_the_journal_is_written_stops_with_exit_6_and_the_pool_resumes_bit_exact(tmp_path, reference):
     pool = tmp_path / "pool"
-    assert cli("train", "--pool", pool, *TINY, "--tier", "power-sim", "--steps", 3).returncode == 0
+    # (--window 1: a recovery point, ~180 kB, every step)
+    assert cli("train", "--pool", pool, *TINY, "--tier", "power-sim", "--steps", 3, "--window", 1).returncode == 0
     # The journal segment may grow by ~4 more steps, then writes fail with EFBIG: a full disk.
     limit = _journal_bytes(pool) + 4 * 180_000
-    p = cli("train", "--pool", pool, "--steps", 12, "--threads", 1, "--no-progress",
+    p = cli("train", "--pool", pool, "--steps", 12, "--threads", 1, "--no-progress", "--window", 1,
             prelude=f"signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
                     f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))")
     one_line_error(p, 6, "File too large", "hint:")
@@ -218,7 +219,8 @@ def test_crash_with_cached_tables_or_periodic_eval_recovers_bit_exact(tmp_path, 
     rec = cli("recover", "--pool", pool, "--json")
     assert rec.returncode == 0, rec.stderr
     doc = json.loads(rec.stdout)
-    assert doc["rolled_back_steps"] == [7] and doc["rows_restored"] > 0, doc
+    # (recovery windows: back to the window's start, then the committed steps replayed)
+    assert 7 in doc["rolled_back_steps"] and doc["rows_restored"] > 0 and doc["committed_step"] in (5, 6), doc
     p = cli("train", "--pool", pool, "--steps", 10, "--threads", 1, "--no-progress", *extra)
     assert p.returncode == 0, p.stderr
     assert digest_of(p) == digest_of(ref)

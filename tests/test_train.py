@@ -368,8 +368,8 @@ def test_the_journal_writer_runs_inline_only_where_it_never_waits_for_a_device_a
 
 @pytest.mark.parametrize("tier", ["shm", "pmem"])
 def test_an_inline_journal_writer_trains_the_same_state_as_a_threaded_one(tmp_path, tier):
-    threaded, d_thread = train(tmp_path / "thread", 6, tier=tier, writer="thread")
-    inline, d_inline = train(tmp_path / "inline", 6, tier=tier, writer="inline")
+    threaded, d_thread = train(tmp_path / "thread", 6, tier=tier, writer="thread", window=1)
+    inline, d_inline = train(tmp_path / "inline", 6, tier=tier, writer="inline", window=1)
     assert (threaded.checkpoint["writer"], inline.checkpoint["writer"]) == ("thread", "inline")
     assert d_inline == d_thread
     # (that a crash then loses only the step in flight: the shm-inline column of

@@ -119,7 +119,7 @@ class _Synchronous(Checkpointer):
     def update(self, fn: Callable[[], None]) -> None:
         fn()
 
-    def commit(self, step: int, *, final: bool = False) -> None:
+    def commit(self, step: int, *, final: bool = False, witness: dict | None = None) -> None:
         t0 = time.perf_counter()
         self.stats.steps += 1
         if final or step % self.every == 0:
@@ -241,7 +241,7 @@ class BytesFloorCheckpointer(Checkpointer):
     def update(self, fn: Callable[[], None]) -> None:
         fn()
 
-    def commit(self, step: int, *, final: bool = False) -> None:
+    def commit(self, step: int, *, final: bool = False, witness: dict | None = None) -> None:
         t0 = time.perf_counter()
         self.stats.steps += 1
         if self.pool.journaled and self._cur is not None:
