@@ -28,7 +28,7 @@ from . import fileio
 from .durable import atomic_write
 from ._native import libpmem
 from .header import FORMAT_VERSION, HEADER, MAGIC, RUNS_FORMAT_VERSION, header_bytes, read_header
-from .table import PoolStats, Table, TableConfig
+from .table import PoolStats, Table, TableConfig, TableHost
 from .validation import json_copy
 from .errors import PoolFormatError, PoolReadOnlyError
 from .journal import Journal
@@ -80,7 +80,11 @@ class MemoryPool:
             self._real_pmem = (tier_of(self.tier).dax and use_libpmem is not False and libpmem() is not None
                                and detect_dax(self.storage_dir))
             tier = tier_of(self.tier, real_pmem=self._real_pmem)
-            self._tables = TableSet(self, cfgs, where=self.path, tier=tier, storage_dir=self.storage_dir,
+            # What a table may ask of the pool (memory_pool/table.py): nothing else of it.
+            host = TableHost(self.stats, check_open=self._check_open, check_writable=self._check_writable,
+                             ready_rows=self._ready_rows, persist_rows=self.persist_rows, bulk_load=self._bulk_load,
+                             note_reset=self._note_reset, real_pmem=bool(self._real_pmem))
+            self._tables = TableSet(host, cfgs, where=self.path, tier=tier, storage_dir=self.storage_dir,
                                     read_only=read_only, dram_cache_bytes=dram_cache_bytes)
             self._arena = self._tables.arena
             self.journaled = tier.journaled
@@ -209,23 +213,22 @@ class MemoryPool:
         self._replayer.ready(pairs)
 
     def _ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
+        """:meth:`ready` for rows ``ids`` of table ``name`` (None: all of them): ``TableHost.ready_rows``."""
         self._replayer.ready_rows(name, ids)
 
     @contextlib.contextmanager
     def _bulk_load(self, name: str):
-        """Around a bulk load of table ``name`` into its image (``Table.load_``, ``fill_``), from
-        before its pending rows are forgotten until its reset is committed: no compaction and no
-        write-back pass runs (``Compaction.images_held``)."""
+        """``TableHost.bulk_load``: around a bulk load of table ``name`` into its image
+        (``Table.load_``, ``fill_``), from before its pending rows are forgotten until its reset
+        is committed: no compaction and no write-back pass runs (``Compaction.images_held``)."""
         with self._compaction.images_held():
             self._replayer.forget(name)
             yield
 
     def _note_reset(self, name: str) -> None:
-        """Table ``name`` was loaded whole into its image, durably (``Compaction.note_reset``)."""
+        """``TableHost.note_reset``: table ``name`` was loaded whole into its image, durably
+        (``Compaction.note_reset``)."""
         self._compaction.note_reset(name)
-
-    def _remap(self, table: Table) -> None:
-        self._tables.remap(table)
 
     # -- construction
     @classmethod
@@ -380,7 +383,7 @@ class MemoryPool:
         self._compaction.check()  # (a failed background compaction is reported here first)
         # (dirty until the transaction is durable: a failed persist leaves them to its retry)
         return self.stats.counted_persist(lambda: persist_rows(
-            self.journal if self.journaled else None, [(t, t._region.dirty_rows()) for t in self._tables.values()]))
+            self.journal if self.journaled else None, [(t, t.region.dirty_rows()) for t in self._tables.values()]))
 
     # -- lifecycle
     def _check_open(self) -> None:
