@@ -27,7 +27,8 @@ import torch
 from . import fileio
 from .durable import atomic_write
 from ._native import libpmem
-from .header import FORMAT_VERSION, HEADER, MAGIC, RUNS_FORMAT_VERSION, header_bytes, read_header
+from .header import (FORMAT_VERSION, HEADER, JOURNAL_DIR, MAGIC, RUNS_FORMAT_VERSION, header_bytes, read_header,
+                     table_file)
 from .table import PoolStats, Table, TableConfig, TableHost
 from .validation import json_copy
 from .errors import PoolFormatError, PoolReadOnlyError
@@ -97,8 +98,8 @@ class MemoryPool:
             has_runs = self.journaled and rows and (runs_dir / MANIFEST).exists()
             self.journal = open_journal(self.storage_dir, tier, read_only=read_only)
             # (the applied mark: the replay skips the rows the images' page cache holds, see Replayer)
-            mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / "journal"] + [
-                self.storage_dir / "tables" / f"{t['name']}.bin" for t in self._header["tables"]], self.path) \
+            mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / JOURNAL_DIR] + [
+                table_file(self.storage_dir, t["name"]) for t in self._header["tables"]], self.path) \
                 if tier.applied_mark else None
             self._compaction = Compaction(
                 self.journal, self._tables, self.stats, storage_dir=self.storage_dir, journaled=self.journaled,

@@ -16,6 +16,7 @@ from . import fileio
 from .arena import Arena, page_round
 from .cache import RowCache
 from .errors import PoolCorruptError, PoolFullError, TableExistsError, TableNotFoundError
+from .header import table_file
 from .table import Table, TableConfig, TableHost
 from .tiers import Tier, open_region
 from .validation import validate_init, validate_table_config
@@ -82,7 +83,7 @@ class TableSet(Mapping):
 
     def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
         tier = self._tier
-        file = self._storage_dir / "tables" / f"{cfg.name}.bin" if tier.has_files else None
+        file = table_file(self._storage_dir, cfg.name) if tier.has_files else None
         if not create and file is not None and not file.exists():
             raise PoolCorruptError(f"{self._where}: table file {file} is missing")
         region = open_region(self.arena, tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype,
