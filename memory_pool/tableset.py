@@ -27,10 +27,11 @@ __all__ = ["TableSet"]
 class TableSet(Mapping):
     """The tables of an open pool by name, and the memory they live in (see the module).
 
-    ``host``: what each :class:`Table` may ask of the pool (``table.TableHost``); ``cfgs``: the tables the pool's header
-    lists (the arena reserves room for them and as much again, for tables created later);
-    ``where``: the pool's directory (named in errors); ``storage_dir``: where the table files
-    are; ``dram_cache_bytes``: the DRAM budget (None: every table is served from its home)."""
+    ``host``: what each :class:`Table` may ask of the pool (:class:`~memory_pool.table.TableHost`);
+    ``cfgs``: the tables the pool's header lists (the arena reserves room for them and as much
+    again, for tables created later); ``where``: the pool's directory (named in errors);
+    ``storage_dir``: where the table files are; ``dram_cache_bytes``: the DRAM budget (None:
+    every table is served from its home)."""
 
     def __init__(self, host: TableHost, cfgs: list[TableConfig], *, where: Path, tier: Tier, storage_dir: Path,
                  read_only: bool, dram_cache_bytes: int | None):
