@@ -18,9 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_args import PRESET_NAMES, _print_json, build_parser, model_config_from_args
-from .cli_train import _cmd_recover, _cmd_train, _with_cli_hint, check_data_path, check_pool_writable, \
-    not_writable_error
+from .cli_args import PRESET_NAMES, build_parser, model_config_from_args
+from .cli_train import check_data_path, check_pool_writable, cmd_recover, cmd_train, not_writable_error, print_json, \
+    with_cli_hint
 from .errors import (
     DataFormatError,
     DlrmCxlError,
@@ -64,7 +64,7 @@ def _inspect_job(args) -> int:
     info = {"path": str(args.pool), "world_size": len(ranks), "step": committed, "needs_recovery": needs,
             "state_digest": combine_digests(digests) if all(digests) and not needs else None, "ranks": ranks}
     if args.json:
-        _print_json(info)
+        print_json(info)
         return 0
     print(f"job {info['path']}: {len(ranks)} ranks, step reached (committed by every rank): {committed}")
     for i, r in enumerate(ranks):
@@ -85,7 +85,7 @@ def _cmd_inspect(args) -> int:
     info = _inspect_pool(args.pool, not args.no_digest)
     status = info["checkpoint"]
     if args.json:
-        _print_json(info)
+        print_json(info)
         return 0
     print(f"pool {info['path']}  (id {info['pool_id']}, format v{info['format_version']})")
     print(f"tier {info['tier']}: {info['durability']}")
@@ -128,12 +128,12 @@ def _cmd_eval(args) -> int:
             source = eval_source(data, data_spec(cfg), seed=meta.get("seed", 0),
                                  zipf_alpha=meta.get("zipf_alpha", 1.05), skip_bad_lines=args.skip_bad_lines)
         except DataFormatError as exc:
-            raise _with_cli_hint(exc, cfg) from None
+            raise with_cli_hint(exc, cfg) from None
         res = evaluate(model, source, args.batches)
     finally:
         pool.close()
     if args.json:
-        _print_json(res)
+        print_json(res)
     else:
         print(f"eval on {data}: auc {res['auc']:.4f}, logloss {res['logloss']:.4f} over {res['samples']} samples")
     return 0
@@ -215,11 +215,9 @@ def _rank_pools(job: Path) -> list[Path]:
     """The rank pools of a job directory, refusing (before anything is deleted) a rank directory
     that is not a pool or whose pool a writer holds. Lenient about gaps in the rank numbers, so
     that a job whose destroy was interrupted can still be destroyed."""
-    import os
-
     from checkpointing.jobdir import numbered_rank_dirs
     from memory_pool.pool import HEADER
-    from memory_pool.writer_lock import LOCK_FILE, lock_holder, try_lock
+    from memory_pool.writer_lock import lock_held, lock_holder
 
     from .errors import PoolFormatError, PoolLockedError
 
@@ -229,16 +227,9 @@ def _rank_pools(job: Path) -> list[Path]:
             raise PoolFormatError(f"{p} is not a pool (no {HEADER}); refusing to delete job {job}",
                                   hint="check --pool; only pool directories are deleted")
     for p in ranks:  # every lock before any deletion: a locked rank must not leave half a job
-        try:
-            fd = os.open(p / LOCK_FILE, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            if not try_lock(fd):
-                raise PoolLockedError(f"{p} is locked by another writer (pid {lock_holder(p) or '?'})",
-                                      hint=_WRITER_LOCKED_HINT)
-        finally:
-            os.close(fd)
+        if lock_held(p):
+            raise PoolLockedError(f"{p} is locked by another writer (pid {lock_holder(p) or '?'})",
+                                  hint=_WRITER_LOCKED_HINT)
     return ranks
 
 
@@ -285,7 +276,7 @@ def _cmd_destroy(args) -> int:
     removed = {r: b for r, b in regions.items() if not Path(r).exists()}
     freed = sum(removed.values())
     if args.json:
-        _print_json({"path": str(path), "kind": "job" if job else "pool", "pools": [str(p) for p in pools],
+        print_json({"path": str(path), "kind": "job" if job else "pool", "pools": [str(p) for p in pools],
                      "regions_removed": [{"path": r, "size_bytes": b} for r, b in removed.items()],
                      "bytes_freed": freed})
         return 0
@@ -305,7 +296,7 @@ def _cmd_gc(args) -> int:
     summary = (f"{'would remove' if args.dry_run else 'removed'} {n} orphaned region{'' if n == 1 else 's'}, "
                f"{freed / 1e6:.1f} MB")
     if args.json:
-        _print_json({"root": str(shm_root()), "dry_run": args.dry_run,
+        print_json({"root": str(shm_root()), "dry_run": args.dry_run,
                      "regions": [{**r.as_dict(), "removed": r.path in gone and not args.dry_run} for r in regions],
                      "removed": [r.as_dict() for r in removed], "removed_count": n, "removed_bytes": freed})
         return 0
@@ -401,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse reports usage errors by exiting; keep main() a function
         return int(exc.code or 0)
-    handlers = {"train": _cmd_train, "recover": _cmd_recover, "inspect": _cmd_inspect, "eval": _cmd_eval,
+    handlers = {"train": cmd_train, "recover": cmd_recover, "inspect": _cmd_inspect, "eval": _cmd_eval,
                 "export": _cmd_export, "import": _cmd_import, "data": _cmd_data, "destroy": _cmd_destroy,
                 "gc": _cmd_gc}
     try:

@@ -11,13 +11,19 @@ import re
 import sys
 from pathlib import Path
 
-from .cli_args import _print_json, data_convert_hint, model_config_from_args
+from .cli_args import data_convert_hint, model_config_from_args
 from .errors import ConfigMismatchError, DataFormatError, InvalidConfigError, PoolNotWritableError
 
-__all__ = ["_cmd_train", "_cmd_recover", "check_data_path", "check_pool_writable", "not_writable_error"]
+__all__ = ["cmd_train", "cmd_recover", "with_cli_hint", "check_data_path", "check_pool_writable", "not_writable_error",
+           "print_json"]
 
 
-def _cmd_train(args) -> int:
+def print_json(obj) -> None:
+    """What a command prints with ``--json`` (every command of the CLI prints through this)."""
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def cmd_train(args) -> int:
     from checkpointing import parse_crash_at
     from checkpointing.jobdir import rank_dir
     from memory_pool.validation import validate_journal_env
@@ -50,6 +56,8 @@ def _cmd_train(args) -> int:
         writer=args.writer)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
     if pool_exists and not distributed and not args.json and not args.crash_at:
+        from memory_pool.writer_lock import lock_held
+
         from .options import validate_options
         from .provisioning import probe_training_pool
 
@@ -57,7 +65,7 @@ def _cmd_train(args) -> int:
         _, status = probe_training_pool(opts, cfg)  # (refuses flags that disagree with the pool)
         c = status["committed_step"]
         if c is not None and c >= args.steps and not (status["needs_recovery"] or status["steps_to_roll_back"]
-                                                      or status["torn_bytes"] or _lock_held(args.pool)):
+                                                      or status["torn_bytes"] or lock_held(args.pool)):
             print(f"pool {args.pool} is already at step {c}; nothing to do (--steps is the step to reach in "
                   f"total: --steps {c + 100} trains 100 more)")
             print(f"state_digest {_committed_digest(args.pool)}")
@@ -80,7 +88,7 @@ def _cmd_train(args) -> int:
         try:
             trainer = Trainer(opts, cfg, log=log, dist=ctx)
         except DataFormatError as exc:
-            raise _with_cli_hint(exc, cfg or stored_config(stored_at)) from None
+            raise with_cli_hint(exc, cfg or stored_config(stored_at)) from None
         try:
             summary = trainer.run()
             digest = trainer.digest()
@@ -102,7 +110,7 @@ def _cmd_train(args) -> int:
     d["model_digest"] = model_digest
     d.setdefault("skipped_lines", skipped)
     if args.json:
-        _print_json(d)
+        print_json(d)
         return 0
     ck = summary.checkpoint
     if not summary.steps_run and summary.end_step >= args.steps:
@@ -153,7 +161,7 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _cmd_recover(args) -> int:
+def cmd_recover(args) -> int:
     from .replay import recover_and_replay
 
     if not args.dry_run:
@@ -161,7 +169,7 @@ def _cmd_recover(args) -> int:
     rep = recover_and_replay(args.pool, dry_run=args.dry_run, digest=not args.no_digest, crash_phase=args.crash_at,
                              no_replay=args.no_replay)
     if args.json:
-        _print_json(rep.as_dict())
+        print_json(rep.as_dict())
         return 0
     would = args.dry_run and rep.needed
     for a in rep.actions:
@@ -212,21 +220,6 @@ def _committed_digest(pool) -> str:
         return state_digest(p, committed_state(p)[1])
 
 
-def _lock_held(pool) -> bool:
-    """Whether another process holds the pool's lock now (a trainer, or a reader): then `train`
-    reports that (exit 5) as it always did, rather than the step the pool was at."""
-    from memory_pool.writer_lock import LOCK_FILE, try_lock
-
-    try:
-        fd = os.open(Path(pool) / LOCK_FILE, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        return not try_lock(fd)  # (released when fd is closed)
-    finally:
-        os.close(fd)
-
-
 def check_data_path(flag: str, value) -> None:
     """A data flag names something that exists: a usage error (exit 2), before any pool is made,
     not malformed data (exit 7) after."""
@@ -255,10 +248,10 @@ def _check_data_fits(opts, cfg) -> None:
         try:
             make_data_source(data, data_spec(cfg), seed=opts.seed, skip_bad_lines=opts.skip_bad_lines)
         except DataFormatError as exc:
-            raise _with_cli_hint(exc, cfg) from None
+            raise with_cli_hint(exc, cfg) from None
 
 
-def _with_cli_hint(exc: DataFormatError, cfg) -> DataFormatError:
+def with_cli_hint(exc: DataFormatError, cfg) -> DataFormatError:
     """The error with a hint that names the CLI command (the data layer's names its Python call)."""
     if "convert_tsv_to_zarr" not in (exc.hint or "") or cfg is None:
         return exc

@@ -1,36 +1,20 @@
-"""Thin ctypes bindings: libc ``msync`` and, when installed, PMDK's libpmem.
+"""Thin ctypes bindings of PMDK's libpmem, when installed.
 
 libpmem (Debian ``libpmem1``) is optional. When present, persisting a range of a mapping goes
 through ``pmem_persist`` if the range is real persistent memory (``pmem_is_pmem``: a DAX
 mapping, flushed with cache-line flushes from user space) and ``pmem_msync`` otherwise. Without
-it we call ``msync(MS_SYNC)`` ourselves. Both paths take page-unaligned ranges.
+it a pmem pool is emulated through the journal (``memory_pool/tiers.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap
 import os
 
-__all__ = ["PAGE", "libpmem", "msync_range", "LibPmem"]
+__all__ = ["libpmem", "LibPmem", "LIBPMEM"]
 
-PAGE = mmap.PAGESIZE
-_MS_SYNC = 4
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.msync.restype = ctypes.c_int
-
-
-def msync_range(addr: int, length: int) -> None:
-    """msync(MS_SYNC) the pages covering [addr, addr+length)."""
-    if length <= 0:
-        return
-    start = addr - (addr % PAGE)
-    if _libc.msync(ctypes.c_void_p(start), ctypes.c_size_t(addr + length - start), _MS_SYNC) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"msync failed: {os.strerror(err)}")
+LIBPMEM = "libpmem"   # PMDK's library, as the dynamic linker names it
 
 
 class LibPmem:
@@ -67,7 +51,7 @@ def libpmem() -> LibPmem | None:
     if os.environ.get("DLRM_CXL_NO_LIBPMEM") == "1":
         return None
     if not _cached:
-        name = ctypes.util.find_library("pmem")
+        name = ctypes.util.find_library(LIBPMEM.removeprefix("lib"))  # (it takes the name without "lib")
         lib = None
         if name:
             try:

@@ -9,9 +9,9 @@ offset. :meth:`Arena.flat` is then a tensor over the whole range: every table is
 and a kernel that writes row ``r`` of table ``t`` at ``offset[t] + r * dim`` writes the table's
 own mapping.
 
-Lifetime: tensors made by :meth:`Arena.tensor` keep the arena object alive (through the buffer
-they were made from), and the range is unmapped only when the last of them is gone, so a view
-used after ``pool.close()`` never touches unmapped memory.
+Lifetime: tensors made by :meth:`Arena.tensor` (and buffers by :meth:`Arena.buffer`) keep the
+arena object alive (through the buffer they were made from), and the range is unmapped only when
+the last of them is gone, so a view used after ``pool.close()`` never touches unmapped memory.
 """
 
 from __future__ import annotations
@@ -86,17 +86,30 @@ class Arena:
         return _mmap(self.base + offset, page_round(max(nbytes, 1)), _PROT_READ | _PROT_WRITE,
                      _MAP_PRIVATE | _MAP_ANON | _MAP_FIXED)
 
+    def buffer(self, offset: int, nbytes: int) -> ctypes.Array:
+        """``[offset, offset + nbytes)`` of the arena as a ctypes char array (no copy) that keeps
+        the arena, and so its mappings, alive for as long as it or a view made from it lives."""
+        buf = (ctypes.c_char * nbytes).from_address(self.base + offset)
+        buf.owner = self  # the view holds buf, buf holds the arena: unmapped after the last view
+        return buf
+
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor over [offset, offset + nbytes) of the arena (no copy)."""
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
-        buf = (ctypes.c_char * nbytes).from_address(self.base + offset)
-        buf._arena = self  # the tensor holds buf, buf holds the arena: unmapped after the last view
-        return torch.frombuffer(buf, dtype=dtype)
+        return torch.frombuffer(self.buffer(offset, nbytes), dtype=dtype)
 
     def flat(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole used range as one flat tensor (what fbgemm's kernels index with offsets)."""
         return self.tensor(0, self.used, dtype)
+
+    def rows_at_every_offset(self, row_bytes: int) -> torch.Tensor:
+        """Every ``row_bytes``-long run of the used range's bytes, one per byte offset: a
+        ``[used - row_bytes + 1, row_bytes]`` uint8 view (no copy), so that rows at any offset
+        (a journal or a run does not align them) are gathered with one ``index_select``,
+        whatever record, segment or run they are in."""
+        flat = self.tensor(0, self.used, torch.uint8)
+        return flat.as_strided((flat.numel() - row_bytes + 1, row_bytes), (1, 1))
 
     def __del__(self):
         try:

@@ -238,14 +238,14 @@ class Compaction:
         should have one; None when it has none and should not."""
         if self.overlay is None and self._journaled and self._rows and self.overlay_bound:
             ov = Overlay(self._storage_dir / RUNS_DIR, read_only=False)
-            ov.attach({n: t._region for n, t in self._tables.items()}, {})
+            ov.attach({n: t.region for n, t in self._tables.items()}, {})
             self.overlay = ov
         return self.overlay
 
     def _sync_images(self) -> None:
         try:
             for name in sorted(self._unsynced):
-                self._tables[name]._region.sync()
+                self._tables[name].region.sync()
         except BaseException:
             # A failed fdatasync (EIO) may leave pages clean that never reached the disk: the
             # page cache no longer vouches for anything.

@@ -43,16 +43,14 @@ in it is cancelled, so it holds only the unsynced work of the moment.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 # The undo log's format and the power loss it describes (re-exported: one place to call).
-from .powerloss import _HEAD, _MAGIC, LOG_DIR, Lose, PowerOnReport, pending, power_on, unsynced_count
+from .powerloss import LOG_DIR, Lose, encode_entry, PowerOnReport, pending, power_on, unsynced_count
 
 __all__ = ["open", "pwrite", "ftruncate", "fallocate", "fdatasync", "fsync", "fsync_dir", "rename", "unlink",
            "note_rows", "note_range", "watch", "unwatch", "watching", "power_on", "pending", "unsynced_count", "LOG_DIR",
@@ -90,10 +88,7 @@ class _Sim:
         return self.fd
 
     def append(self, doc: dict, blob: bytes | memoryview = b"") -> None:
-        j = json.dumps(doc, separators=(",", ":")).encode()
-        body = j + bytes(blob)
-        head = _HEAD.pack(_MAGIC, zlib.crc32(body), len(body) - len(j), len(j))
-        os.write(self._log_fd(), head + body)
+        os.write(self._log_fd(), encode_entry(doc, blob))
         self.dirty_log = True
 
     def sync_log(self) -> None:
@@ -203,7 +198,7 @@ def close(fd: int) -> None:
     os.close(fd)
 
 
-def _note_data(sim: _Sim, rel: str, fd: int, ranges: np.ndarray, old: bytes | memoryview, old_size: int) -> None:
+def _note_data(sim: _Sim, rel: str, ranges: np.ndarray, old: bytes | memoryview, old_size: int) -> None:
     sim.append({"op": "data", "path": rel, "n": int(len(ranges)), "size": int(old_size)},
                ranges.astype("<i8").tobytes() + bytes(old))
     sim.live_data[rel] = sim.live_data.get(rel, 0) + 1
@@ -237,7 +232,7 @@ def pwrite(fd: int, buf, off: int) -> None:
         with sim.lock:
             size = os.fstat(fd).st_size
             old = _pread(sim, rel, max(0, min(len(buf), size - off)), off) if off < size else b""
-            _note_data(sim, rel, fd, np.array([[off, len(buf)]]), old, size)
+            _note_data(sim, rel, np.array([[off, len(buf)]]), old, size)
     while buf:
         n = os.pwrite(fd, buf, off)
         buf, off = buf[n:], off + n
@@ -254,7 +249,7 @@ def note_rows(fd: int, ids, row_bytes: int, old) -> None:
     off = np.asarray(ids, dtype=np.int64) * row_bytes
     ranges = np.stack([off, np.full_like(off, row_bytes)], axis=1)
     with sim.lock:
-        _note_data(sim, rel, fd, ranges, np.ascontiguousarray(np.asarray(old)).data, os.fstat(fd).st_size)
+        _note_data(sim, rel, ranges, np.ascontiguousarray(np.asarray(old)).data, os.fstat(fd).st_size)
 
 
 def note_range(fd: int, off: int, old) -> None:
@@ -265,7 +260,7 @@ def note_range(fd: int, off: int, old) -> None:
     sim, rel = hit
     old = memoryview(old).cast("B")
     with sim.lock:
-        _note_data(sim, rel, fd, np.array([[off, len(old)]]), old, os.fstat(fd).st_size)
+        _note_data(sim, rel, np.array([[off, len(old)]]), old, os.fstat(fd).st_size)
 
 
 def needs_notes(fd: int) -> bool:

@@ -9,14 +9,23 @@ from pathlib import Path
 from .durable import json_crc, json_with_crc, parse_json_object
 from .errors import PoolCorruptError, PoolFormatError, PoolVersionError
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "RUNS_FORMAT_VERSION", "READABLE_VERSIONS", "HEADER", "header_bytes",
-           "read_header"]
+__all__ = ["MAGIC", "FORMAT_VERSION", "RUNS_FORMAT_VERSION", "READABLE_VERSIONS", "HEADER", "TABLES_DIR", "JOURNAL_DIR",
+           "table_file", "header_bytes", "read_header"]
 
 MAGIC = "dlrm-cxl-pool"
 FORMAT_VERSION = 2   # 2: journal (byte-granular persistence), the checkpointer's records in it
 RUNS_FORMAT_VERSION = 3   # 2 + a row overlay (runs/, memory_pool/overlay.py): set before its first manifest
 READABLE_VERSIONS = (FORMAT_VERSION, RUNS_FORMAT_VERSION)
 HEADER = "pool.json"
+# Where the header's tables and the journal live under a pool's storage directory (the layout:
+# memory_pool/pooldir.py).
+TABLES_DIR = "tables"
+JOURNAL_DIR = "journal"
+
+
+def table_file(storage_dir: Path, name: str) -> Path:
+    """The file of table ``name``'s rows: ``<storage_dir>/tables/<name>.bin``."""
+    return Path(storage_dir) / TABLES_DIR / f"{name}.bin"
 
 
 def header_bytes(doc: dict) -> bytes:

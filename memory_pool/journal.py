@@ -117,8 +117,8 @@ from .records import (Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, 
 from .errors import NeedsRecoveryError, PoolReadOnlyError
 from .journal_reader import JournalReader, window_bytes
 from .segment_format import (BLOCK, MARK, MARK_MAGIC, MARK_REC, REC, SEG, SEG_RECYCLED, JournalCorruptError,
-                             RecordRef, RecordType, TxnInfo, _iter_refs, _rec_header, _seg_header, _seg_name,
-                             _Segment)
+                             RecordRef, RecordType, TxnInfo, iter_refs, rec_header, seg_header, seg_name,
+                             Segment)
 
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "Fill", "encode_rows",
            "encode_row_set", "decode_rows", "decode_row_set", "crc32c", "window_bytes"]
@@ -199,7 +199,7 @@ class Journal(JournalReader):
             self._close_fd()
             self._drop_mapping()
             last = self.last
-            keep: list[_Segment] = []
+            keep: list[Segment] = []
             for s in self._segs:
                 if last is not None and s.path == last.end.segment:
                     end = last.end.payload_offset + last.end.length
@@ -235,7 +235,7 @@ class Journal(JournalReader):
             self._tail_clean = True
         return removed
 
-    def _current(self) -> _Segment:
+    def _current(self) -> Segment:
         if self._fd is not None:
             return self._segs[-1]
         if self._stray is not None:
@@ -257,7 +257,7 @@ class Journal(JournalReader):
             self._start_direct(last)
         return self._segs[-1]
 
-    def _start_direct(self, seg: _Segment) -> None:
+    def _start_direct(self, seg: Segment) -> None:
         """Direct writes on the segment just opened: keep its last partial block (rewritten,
         unchanged, by the next append) and switch the descriptor to O_DIRECT."""
         if not self.direct:
@@ -292,7 +292,7 @@ class Journal(JournalReader):
 
     def _new_segment(self) -> None:
         self._close_fd()
-        seg = _Segment(self.dir / _seg_name(self.next_seq), self.next_seq, SEG.size)
+        seg = Segment(self.dir / seg_name(self.next_seq), self.next_seq, SEG.size)
         fd = self._reuse_free(seg) if self._free else None
         if fd is None:
             try:
@@ -304,7 +304,7 @@ class Journal(JournalReader):
                 # flagged as a recycled one is (header first: a crash before the resize leaves a
                 # small valid segment).
                 # Direct: flagged too (its last block is padded with zeros after the records).
-                fileio.pwrite(fd, _seg_header(self.next_seq, SEG_RECYCLED if self.mapped or self.direct else 0), 0)
+                fileio.pwrite(fd, seg_header(self.next_seq, SEG_RECYCLED if self.mapped or self.direct else 0), 0)
                 if self.mapped:
                     fileio.ftruncate(fd, self.segment_bytes + MAP_SLACK)
             except OSError as exc:
@@ -318,7 +318,7 @@ class Journal(JournalReader):
         if self.sync:
             fsync_dir(self.dir)  # the segment's name is durable before any END inside it is
 
-    def _reuse_free(self, seg: _Segment) -> int | None:
+    def _reuse_free(self, seg: Segment) -> int | None:
         """Open a reclaimed segment as ``seg`` (see "Recycling"); None if that fails."""
         free = self._free.pop()
         try:
@@ -326,7 +326,7 @@ class Journal(JournalReader):
         except OSError:
             return None
         try:
-            fileio.pwrite(fd, _seg_header(seg.first_seq, SEG_RECYCLED), 0)
+            fileio.pwrite(fd, seg_header(seg.first_seq, SEG_RECYCLED), 0)
             if self.sync:
                 fileio.fdatasync(fd)  # the new header durable before the file has a seg- name
             fileio.rename(free, seg.path)
@@ -370,7 +370,7 @@ class Journal(JournalReader):
                     dest[at:at + v.size] = v
                     at += v.size
             pcrc = crc32c_extend(0, dest[start:at])  # (without the GIL: the trainer's thread runs)
-            dest[off - base:off - base + REC.size] = np.frombuffer(_rec_header(rtype, seq, tag, length, pcrc),
+            dest[off - base:off - base + REC.size] = np.frombuffer(rec_header(rtype, seq, tag, length, pcrc),
                                                                    dtype=np.uint8)
             crcs.append(pcrc)
             off += REC.size + length
@@ -542,7 +542,7 @@ class Journal(JournalReader):
         if absorb is not None:
             refs: list[RecordRef] = []
             for s in done:
-                refs.extend(t for t in _iter_refs(s))
+                refs.extend(t for t in iter_refs(s))
             absorb(refs)
         new_start = done[-1].last_seq + 1
         # START first, durably: a crash after it leaves dead segments that the next scan drops;

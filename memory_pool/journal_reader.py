@@ -7,7 +7,6 @@ format: :mod:`memory_pool.segment_format`.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -19,8 +18,8 @@ from .arena import Arena, page_round
 from . import fileio
 from .records import crc32c, crc32c_extend
 from .segment_format import (BLOCK, MARK, MARK_MAGIC, MARK_REC, REC, REC_MAGIC, SEG, SEG_MAGIC, SEG_RECYCLED,
-                             JournalCorruptError, RecordRef, RecordType, TxnInfo, _iter_refs, _parse_header,
-                             _Segment)
+                             JournalCorruptError, RecordRef, RecordType, TxnInfo, iter_refs, parse_header,
+                             Segment)
 
 __all__ = ["JournalReader", "window_bytes"]
 
@@ -40,7 +39,7 @@ class JournalReader:
             raise JournalCorruptError(f"{self.dir / 'START'} is damaged") from None
 
     def _scan(self) -> None:
-        segs: list[_Segment] = []
+        segs: list[Segment] = []
         self._stray: Path | None = None   # an empty last segment, removed by the first append
         mark = self._read_mark()   # (before START and the segments: memory_pool.journal, "Committed mark")
         start = self._start_seq()
@@ -55,7 +54,7 @@ class JournalReader:
                 if not self.read_only:
                     fileio.unlink(p)
                 continue
-            segs.append(_Segment(p, first, p.stat().st_size))
+            segs.append(Segment(p, first, p.stat().st_size))
         self._free = sorted(self.dir.glob("free-*.log")) if self.dir.is_dir() else []
         self.txns: list[TxnInfo] = []
         self.tail: list[RecordRef] = []       # valid records after the newest END
@@ -69,7 +68,7 @@ class JournalReader:
             raise JournalCorruptError(f"journal {self.dir}: segment with sequence {start} is missing "
                                       f"(first is {segs[0].path.name})")
         pending: list[RecordRef] = []
-        bad: tuple[_Segment, int, str] | None = None
+        bad: tuple[Segment, int, str] | None = None
         recycled = False
         for i, seg in enumerate(segs):
             if seg.first_seq != expect:
@@ -106,7 +105,7 @@ class JournalReader:
                 off = SEG.size
                 while off < seg.size:
                     f.seek(off)
-                    h = _parse_header(f.read(REC.size))
+                    h = parse_header(f.read(REC.size))
                     if h is None or h[1] != expect or off + REC.size + h[3] > seg.size:
                         bad = (seg, off, "bad header" if h is None or h[1] != expect else "truncated")
                         break
@@ -193,7 +192,7 @@ class JournalReader:
         return msg + (" -- it was truncated or a segment deleted, which a power loss cannot do (what an fdatasync "
                       "made durable stays)")
 
-    def _valid_after(self, seg: _Segment, off: int, after_seq: int) -> list[RecordRef]:
+    def _valid_after(self, seg: Segment, off: int, after_seq: int) -> list[RecordRef]:
         """Valid record headers after a bad spot (searching for the record magic), up to the
         first record of an earlier life of the file: a recycled segment was written from its
         header on, so whatever of this life lies after the bad spot comes before the stale
@@ -205,7 +204,7 @@ class JournalReader:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 pos = data.find(REC_MAGIC, off + 1)
                 while pos >= 0:
-                    h = _parse_header(data[pos:pos + REC.size])
+                    h = parse_header(data[pos:pos + REC.size])
                     if h is not None and h[1] < seg.first_seq:
                         break  # the previous life of a recycled segment begins here
                     if h is not None and h[1] >= after_seq and pos + REC.size + h[3] <= len(data):
@@ -304,7 +303,7 @@ class JournalReader:
             segs = [s for s in self._segs[:-1] if s.last_seq >= since_seq]
         if not segs:
             return [], None
-        refs = [r for s in segs for r in _iter_refs(s) if r.seq >= since_seq]
+        refs = [r for s in segs for r in iter_refs(s) if r.seq >= since_seq]
         return refs, segs[-1].last_seq + 1
 
 
@@ -359,6 +358,4 @@ def _map_into(window: Arena, segment: Path) -> memoryview:
         os.close(fd)  # (the mapping keeps the file)
     if not size:
         return memoryview(b"")
-    buf = (ctypes.c_char * size).from_address(window.base + off)
-    buf._arena = window  # a view of it keeps the window mapped
-    return memoryview(buf).cast("B")
+    return memoryview(window.buffer(off, size)).cast("B")  # (a view of it keeps the window mapped)

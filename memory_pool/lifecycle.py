@@ -33,7 +33,7 @@ from .durable import atomic_write, json_crc
 from .header import HEADER
 from .persistence import stale_marks
 from .tiers import TIERS, shm_root, tier_of
-from .writer_lock import LOCK_FILE, try_lock
+from .writer_lock import LOCK_FILE, lock_held, try_lock
 
 __all__ = ["RegionInfo", "record_owner", "find_regions", "gc", "region_bytes", "owns_region", "OWNER_FILE",
            "REGION_PREFIX"]
@@ -110,23 +110,6 @@ def region_bytes(region: str | os.PathLike) -> int:
     return total
 
 
-def _lock_held(pool_dir: Path) -> bool | None:
-    """True when a writer holds ``pool_dir/LOCK``, False when not (or there is no LOCK file),
-    None when it cannot be tried. Probes with a non-blocking flock that is released at once."""
-    try:
-        fd = os.open(pool_dir / LOCK_FILE, os.O_RDONLY)  # flock needs no write access; never creates
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError:
-        return None
-    try:
-        return not try_lock(fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # also releases the probe's lock
-
-
 def _classify(region: Path, owner: tuple[Path, str] | None, *, probe_lock: bool = True) -> tuple[str, str]:
     if owner is None:
         return UNKNOWN, f"no readable {OWNER_FILE} record (made before owners were recorded?)"
@@ -144,7 +127,7 @@ def _classify(region: Path, owner: tuple[Path, str] | None, *, probe_lock: bool 
     # The lock before the header: a pool being created holds its lock until pool.json is written
     # (and create removes its region if it fails), so an unlocked owner's header is final.
     if probe_lock:
-        held = _lock_held(pool_dir)
+        held = lock_held(pool_dir)
         if held is None:
             return UNKNOWN, f"cannot try the lock {pool_dir / LOCK_FILE}"
         if held:

@@ -142,11 +142,8 @@ class PendingRows:
                 self._left -= p.left
 
     def _source(self, row_bytes: int) -> torch.Tensor:
-        # Every row_bytes-long run of the window, one per byte offset (a view: no copy), so that
-        # rows at any offset -- the journal does not align them -- are gathered with one
-        # index_select, whatever record and segment they are in.
+        # (the window's rows at every byte offset: Arena.rows_at_every_offset, kept per row size)
         src = self._sources.get(row_bytes)
         if src is None:
-            flat = self._window.tensor(0, self._window.used, torch.uint8)
-            src = self._sources[row_bytes] = flat.as_strided((flat.numel() - row_bytes + 1, row_bytes), (1, 1))
+            src = self._sources[row_bytes] = self._window.rows_at_every_offset(row_bytes)
         return src

@@ -286,11 +286,10 @@ class Overlay:
         return got
 
     def _window_rows(self, rb: int) -> torch.Tensor:
-        # Every rb-long run of the window's bytes, one per offset (a view, no copy).
+        # (the window's rows at every byte offset: Arena.rows_at_every_offset, kept per row size)
         v = self._strided.get(rb)
         if v is None:
-            flat = self._window.tensor(0, self._window.used, torch.uint8)
-            v = self._strided[rb] = flat.as_strided((flat.numel() - rb + 1, rb), (1, 1))
+            v = self._strided[rb] = self._window.rows_at_every_offset(rb)
         return v
 
     def _verify_window(self, src: torch.Tensor, rb: int) -> None:

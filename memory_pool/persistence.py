@@ -61,17 +61,17 @@ def persist_rows(journal: Journal | None, pairs) -> int:
     as an unfinished tail.)"""
     pairs = [(t, ids) for t, ids in pairs if ids.numel()]
     if journal is None:
-        return sum(t._region.flush_rows(ids) for t, ids in pairs)
+        return sum(t.region.flush_rows(ids) for t, ids in pairs)
     if not pairs:
         return 0
     n = 0
     for t, ids in pairs:
-        rows = t._region.tensor.index_select(0, ids)
+        rows = t.region.tensor.index_select(0, ids)
         journal.append(RecordType.ROWS, -1, encode_rows(t.name, ids, rows))
         n += ids.numel() * t.config.row_bytes
     journal.end(-1, {"kind": "persist"})
     for t, ids in pairs:
-        t._region.clear_dirty(ids)  # (durable now)
+        t.region.clear_dirty(ids)  # (durable now)
     return n
 
 
@@ -228,7 +228,7 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
                 continue  # (older than a bulk load of the table: writing them back would undo it)
             parts.setdefault(name, []).append((ids, raw))
     for name, p in parts.items():
-        region = tables[name]._region
+        region = tables[name].region
         if overlay is not None:
             overlay.absorb(name, *latest(p, region.rows), dense=dense)
         elif coalesce:

@@ -27,8 +27,9 @@ import torch
 from . import fileio
 from .durable import atomic_write
 from ._native import libpmem
-from .header import FORMAT_VERSION, HEADER, MAGIC, RUNS_FORMAT_VERSION, header_bytes, read_header
-from .table import PoolStats, Table, TableConfig
+from .header import (FORMAT_VERSION, HEADER, JOURNAL_DIR, MAGIC, RUNS_FORMAT_VERSION, header_bytes, read_header,
+                     table_file)
+from .table import PoolStats, Table, TableConfig, TableHost
 from .validation import json_copy
 from .errors import PoolFormatError, PoolReadOnlyError
 from .journal import Journal
@@ -81,7 +82,11 @@ class MemoryPool:
             self._real_pmem = (tier_of(self.tier).dax and use_libpmem is not False and libpmem() is not None
                                and detect_dax(self.storage_dir))
             tier = tier_of(self.tier, real_pmem=self._real_pmem)
-            self._tables = TableSet(self, cfgs, where=self.path, tier=tier, storage_dir=self.storage_dir,
+            # What a table may ask of the pool (memory_pool/table.py): nothing else of it.
+            host = TableHost(self.stats, check_open=self._check_open, check_writable=self._check_writable,
+                             ready_rows=self._ready_rows, persist_rows=self.persist_rows, bulk_load=self._bulk_load,
+                             note_reset=self._note_reset, real_pmem=bool(self._real_pmem))
+            self._tables = TableSet(host, cfgs, where=self.path, tier=tier, storage_dir=self.storage_dir,
                                     read_only=read_only, dram_cache_bytes=dram_cache_bytes)
             self._arena = self._tables.arena
             self.journaled = tier.journaled
@@ -94,8 +99,8 @@ class MemoryPool:
             has_runs = self.journaled and rows and (runs_dir / MANIFEST).exists()
             self.journal = open_journal(self.storage_dir, tier, read_only=read_only)
             # (the applied mark: the replay skips the rows the images' page cache holds, see Replayer)
-            mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / "journal"] + [
-                self.storage_dir / "tables" / f"{t['name']}.bin" for t in self._header["tables"]], self.path) \
+            mark = AppliedMark(header["pool_id"], lambda: [self.storage_dir / JOURNAL_DIR] + [
+                table_file(self.storage_dir, t["name"]) for t in self._header["tables"]], self.path) \
                 if tier.applied_mark else None
             self._compaction = Compaction(
                 self.journal, self._tables, self.stats, storage_dir=self.storage_dir, journaled=self.journaled,
@@ -216,23 +221,22 @@ class MemoryPool:
         self._replayer.ready(pairs)
 
     def _ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
+        """:meth:`ready` for rows ``ids`` of table ``name`` (None: all of them): ``TableHost.ready_rows``."""
         self._replayer.ready_rows(name, ids)
 
     @contextlib.contextmanager
     def _bulk_load(self, name: str):
-        """Around a bulk load of table ``name`` into its image (``Table.load_``, ``fill_``), from
-        before its pending rows are forgotten until its reset is committed: no compaction and no
-        write-back pass runs (``Compaction.images_held``)."""
+        """``TableHost.bulk_load``: around a bulk load of table ``name`` into its image
+        (``Table.load_``, ``fill_``), from before its pending rows are forgotten until its reset
+        is committed: no compaction and no write-back pass runs (``Compaction.images_held``)."""
         with self._compaction.images_held():
             self._replayer.forget(name)
             yield
 
     def _note_reset(self, name: str) -> None:
-        """Table ``name`` was loaded whole into its image, durably (``Compaction.note_reset``)."""
+        """``TableHost.note_reset``: table ``name`` was loaded whole into its image, durably
+        (``Compaction.note_reset``)."""
         self._compaction.note_reset(name)
-
-    def _remap(self, table: Table) -> None:
-        self._tables.remap(table)
 
     # -- construction
     @classmethod
@@ -387,7 +391,7 @@ class MemoryPool:
         self._compaction.check()  # (a failed background compaction is reported here first)
         # (dirty until the transaction is durable: a failed persist leaves them to its retry)
         return self.stats.counted_persist(lambda: persist_rows(
-            self.journal if self.journaled else None, [(t, t._region.dirty_rows()) for t in self._tables.values()]))
+            self.journal if self.journaled else None, [(t, t.region.dirty_rows()) for t in self._tables.values()]))
 
     # -- lifecycle
     def _check_open(self) -> None:

@@ -29,14 +29,14 @@ from . import fileio
 from ._native import libpmem
 from .durable import atomic_write
 from .errors import InvalidConfigError, PoolExistsError, PoolFormatError, PoolLockedError, PoolVolatileError
-from .header import FORMAT_VERSION, HEADER, MAGIC, header_bytes, read_header
+from .header import FORMAT_VERSION, HEADER, JOURNAL_DIR, MAGIC, TABLES_DIR, header_bytes, read_header
 from .journal import Journal
 from .lifecycle import REGION_PREFIX, owns_region, record_owner
 from .persistence import AppliedMark
 from .replay import REPLAY_MODES
 from .tiers import Tier, libpmem_missing, resolve_tier, shm_root, tier_of
 from .validation import env_mib, is_int, json_copy
-from .writer_lock import take_lock
+from .writer_lock import LOCK_FILE, take_lock
 
 __all__ = ["resolve_tier", "segment_bytes", "check_libpmem_request", "make_pool_dir", "open_pool_dir", "power_on",
            "open_journal", "destroy_pool"]
@@ -81,7 +81,7 @@ def make_pool_dir(path, *, tier: str, capacity_bytes: int | None, dram_cache_byt
     try:
         if (path / HEADER).exists():  # a concurrent create won the race
             raise PoolExistsError(f"{path} already holds a pool")
-        (storage / "tables").mkdir(parents=True, exist_ok=True)
+        (storage / TABLES_DIR).mkdir(parents=True, exist_ok=True)
         if kind.files_in_shm:
             # Names the pool that owns the region, so that `dlrm-cxl gc` can tell a region
             # whose directory was deleted by hand (rm -rf) from one in use.
@@ -104,8 +104,8 @@ def make_pool_dir(path, *, tier: str, capacity_bytes: int | None, dram_cache_byt
         if not (path / HEADER).exists():
             if kind.files_in_shm:
                 shutil.rmtree(storage, ignore_errors=True)
-            shutil.rmtree(path / "tables", ignore_errors=True)
-            for leftover in (path / f".{HEADER}.tmp", path / "LOCK"):
+            shutil.rmtree(path / TABLES_DIR, ignore_errors=True)
+            for leftover in (path / f".{HEADER}.tmp", path / LOCK_FILE):
                 try:
                     leftover.unlink()
                 except OSError:
@@ -175,7 +175,7 @@ def open_journal(storage_dir: Path, tier: Tier, *, read_only: bool) -> Journal:
     # records on every tier. Synced except where a sync means nothing (shm is RAM and
     # survives only a trainer crash; a dram pool survives nothing); there, records are
     # copied into a mapping of the segment instead of written (see "Mapped segments").
-    journal = Journal(storage_dir / "journal", sync=tier.journal_synced, mapped=tier.journal_mapped,
+    journal = Journal(storage_dir / JOURNAL_DIR, sync=tier.journal_synced, mapped=tier.journal_mapped,
                       direct=tier.journal_direct, read_only=read_only, segment_bytes=segment_bytes())
     try:
         if tier.journaled and not read_only and all(r.tag < 0 for r in journal.tail) and (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["LOG_DIR", "Lose", "PowerOnReport", "pending", "power_on", "unsynced_count"]
+__all__ = ["LOG_DIR", "Lose", "PowerOnReport", "encode_entry", "pending", "power_on", "unsynced_count"]
 
 LOG_DIR = ".power-loss"
 _MAGIC = b"PLG1"
@@ -49,6 +49,14 @@ class PowerOnReport:
     undone: int = 0         # taken back
     torn: int = 0           # writes taken back in part
     logs: list = field(default_factory=list)
+
+
+def encode_entry(doc: dict, blob: bytes | memoryview = b"") -> bytes:
+    """One entry of the undo log: its header (magic, crc32 of the rest, blob and JSON lengths),
+    ``doc`` as JSON, then ``blob`` (what :func:`power_on` reads back, in ``_read_log``)."""
+    j = json.dumps(doc, separators=(",", ":")).encode()
+    body = j + bytes(blob)
+    return _HEAD.pack(_MAGIC, zlib.crc32(body), len(body) - len(j), len(j)) + body
 
 
 def _read_log(path: Path) -> list[tuple[dict, bytes]]:

@@ -74,14 +74,14 @@ class Replayer:
             # headers waits behind the index reads, and both halves fault in fresh memory.)
             ov = self._compaction.overlay = Overlay(runs_dir, read_only=read_only)
             unsaved_resets = self._note_run_resets()
-            ov.attach({n: t._region for n, t in self._tables.items()},
+            ov.attach({n: t.region for n, t in self._tables.items()},
                       {n: torch.cat([ids for ids, _ in parts]) for n, parts in plan.items()})
             if unsaved_resets and not read_only:
                 # A crash came between a reset marker and the manifest's copy of it: the
                 # copy now, before a compaction can drop the marker.
                 ov.save_manifest()
         if plan and window is not None:
-            self._pending = PendingRows(plan, {n: t._region for n, t in self._tables.items()}, window,
+            self._pending = PendingRows(plan, {n: t.region for n, t in self._tables.items()}, window,
                                         on_apply=self._count_replayed)
             self.stats.rows_deferred = self._pending.remaining
         elif plan:
@@ -102,14 +102,14 @@ class Replayer:
         run in parallel). Nothing reads a row before open() returns."""
         order = sorted(plan, key=lambda name: -sum(ids.numel() for ids, _ in plan[name]))
         for name in order:  # (the image not cached: its pages asked for all at once first)
-            r = self._tables[name]._region
+            r = self._tables[name].region
             if r.nbytes:
                 self.stats.pages_prefetched += prefetch_if_cold(r.fd, r.addr, r.row_bytes, plan[name])
         with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 8)), thread_name_prefix="journal-replay",
                                 initializer=one_intra_op_thread) as ex:  # (parallel over tables instead)
             jobs = []
             for name in order:
-                r = self._tables[name]._region
+                r = self._tables[name].region
                 jobs.append(ex.submit(replay_rows, r.tensor.view(torch.uint8).view(r.rows, r.row_bytes), plan[name]))
             for job in jobs:
                 self.stats.rows_replayed += job.result()

@@ -36,7 +36,8 @@ from .records import crc32c_extend
 from .errors import PoolCorruptError
 
 __all__ = ["RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "SEG_MAGIC", "SEG", "SEG_RECYCLED",
-           "BLOCK", "REC_MAGIC", "REC", "VERSION", "MARK", "MARK_MAGIC", "MARK_REC"]
+           "BLOCK", "REC_MAGIC", "REC", "VERSION", "MARK", "MARK_MAGIC", "MARK_REC", "Segment", "seg_name", "seg_header",
+           "rec_header", "parse_header", "iter_refs"]
 
 SEG_MAGIC = b"DCXJSEG1"
 SEG = struct.Struct("<8sIQI36xI")         # magic, version, first seq, flags, pad, crc32c (64 bytes)
@@ -98,7 +99,9 @@ class TxnInfo:
 
 
 @dataclass
-class _Segment:
+class Segment:
+    """One segment file of the journal as a scan (or the writer) knows it."""
+
     path: Path
     first_seq: int
     size: int = 0
@@ -106,21 +109,24 @@ class _Segment:
     stale_after: bool = False   # RECYCLED flag: bytes after the valid records are not the log's
 
 
-def _seg_name(first_seq: int) -> str:
+def seg_name(first_seq: int) -> str:
+    """The file name of the segment whose first record is ``first_seq``."""
     return f"seg-{first_seq:016x}.log"
 
 
-def _seg_header(first_seq: int, flags: int = 0) -> bytes:
+def seg_header(first_seq: int, flags: int = 0) -> bytes:
+    """A segment's header (``SEG``, its crc32c last)."""
     body = SEG.pack(SEG_MAGIC, VERSION, first_seq, flags, 0)[:-4]
     return body + struct.pack("<I", crc32c_extend(0, body))
 
 
-def _rec_header(rtype: int, seq: int, tag: int, length: int, pcrc: int) -> bytes:
+def rec_header(rtype: int, seq: int, tag: int, length: int, pcrc: int) -> bytes:
+    """A record's header (``REC``, its crc32c last); ``pcrc``: the payload's crc32c."""
     body = REC.pack(REC_MAGIC, rtype, seq, tag, length, pcrc, 0)[:-4]
     return body + struct.pack("<I", crc32c_extend(0, body))
 
 
-def _parse_header(raw: bytes):
+def parse_header(raw: bytes):
     """(type, seq, tag, length, payload crc) or None when it is not a valid record header."""
     if len(raw) < REC.size or raw[:4] != REC_MAGIC:
         return None
@@ -130,13 +136,13 @@ def _parse_header(raw: bytes):
     return rtype, seq, tag, length, pcrc
 
 
-def _iter_refs(seg: _Segment) -> Iterable[RecordRef]:
+def iter_refs(seg: Segment) -> Iterable[RecordRef]:
     """Every record of a sealed segment (headers verified again)."""
     with open(seg.path, "rb") as f:
         off = SEG.size
         while off < seg.size:
             f.seek(off)
-            h = _parse_header(f.read(REC.size))
+            h = parse_header(f.read(REC.size))
             if h is None:
                 raise JournalCorruptError(f"journal segment {seg.path.name} at byte {off}: bad header")
             yield RecordRef(seg.path, off, h[0], h[1], h[2], h[3], h[4])

@@ -5,12 +5,28 @@ its rows' memory, through a region of the pool's tier), plus the pool's :class:`
 ``lookup``, ``persist``, ``fill_``, ``load_``). The trusted fast path is for callers that have
 validated ids against the table already -- the trainer, the checkpointer, recovery:
 ``gather_rows``, ``scatter_rows``, ``pooled_rows``, ``restore_raw``, ``mark_dirty``,
-``take_dirty``, ``arena_offset``.
+``take_dirty``, ``arena_offset``. The pool's own modules (persist, replay, compaction, the
+overlay) reach the rows' memory and files through :attr:`Table.region`.
+
+**Table and pool.** A table never sees the pool object, nor imports its module: the pool hands
+each table a :class:`TableHost` at construction, the few things a table asks of it -- its
+counters, "is it open (writable)?", "apply the rows an on-demand replay has not applied yet",
+"persist these rows", and the two ends of a bulk load. The pool reaches a table only through its
+public members (``region``, ``cache_rows``, ``close``, the fast path). The call orders:
+
+* every row path: ``host.ready_rows(name, ids)``, then the rows are read or written in place;
+* ``persist``: the rows written since the last persist (``region.dirty_rows()``) go to
+  ``host.persist_rows``, which clears them once their transaction is durable;
+* a bulk load (``fill_``, ``load_``): ``with host.bulk_load(name):`` (no compaction or write-back
+  pass meanwhile; the table's pending rows forgotten) the rows go into the image; on a journaled
+  tier then ``region.sync(drop_cache=True)``, ``region.remap()``, ``region.take_dirty()`` and
+  ``host.note_reset(name)`` (the reset marker: the table's older journal rows stop counting).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -22,7 +38,7 @@ from .errors import InvalidIdsError
 from .tiers import Region, torch_dtype
 from .validation import validate_ids, validate_init, validate_offsets, validate_values
 
-__all__ = ["TableConfig", "Table", "PoolStats"]
+__all__ = ["TableConfig", "Table", "TableHost", "PoolStats"]
 
 
 @dataclass(frozen=True)
@@ -83,15 +99,39 @@ class PoolStats:
         return n
 
 
+@dataclass(frozen=True)
+class TableHost:
+    """What a :class:`Table` may ask of the pool it belongs to (see the module): the pool builds
+    one (``MemoryPool.__init__``) and passes it to each of its tables at construction.
+
+    ``stats``: the pool's counters. ``check_open()`` / ``check_writable()``: raise unless the
+    pool is open (and writable). ``ready_rows(name, ids=None)``: apply the rows among ``ids`` of
+    table ``name`` (None: all of them) that an on-demand replay has not applied yet -- before any
+    read or write of them. ``persist_rows([(table, ids)])``: make rows durable now (trusted ids;
+    returns the row bytes; ``MemoryPool.persist_rows``). ``bulk_load(name)``: a context manager
+    around a bulk load of table ``name`` into its image, from before its pending rows are
+    forgotten until its reset is committed: no compaction or write-back pass runs meanwhile.
+    ``note_reset(name)``: the table was loaded whole into its image, durably (a journaled tier
+    commits a reset marker). ``real_pmem``: rows persist by cache-line flushes (real pmem)."""
+
+    stats: PoolStats
+    check_open: Callable[[], None]
+    check_writable: Callable[[], None]
+    ready_rows: Callable[..., None]
+    persist_rows: Callable[[list], int]
+    bulk_load: Callable[[str], AbstractContextManager]
+    note_reset: Callable[[str], None]
+    real_pmem: bool = False
+
+
 class Table:
     """One embedding table of a pool. Get it with :meth:`MemoryPool.table`.
 
     ``read`` returns copies; ``write`` updates rows in place in the table's home tier.
     """
 
-    def __init__(self, pool, cfg: TableConfig, region: Region, cache_rows: int):
-        # (``pool``: the MemoryPool the table belongs to; not imported here, which imports this)
-        self.pool = pool
+    def __init__(self, host: TableHost, cfg: TableConfig, region: Region, cache_rows: int):
+        self._host = host   # the pool's side (see TableHost): the table sees nothing else of it
         self.config = cfg
         self._region = region
         self._cache = RowCache(region.tensor, cache_rows) if cache_rows else None
@@ -107,6 +147,25 @@ class Table:
         """True when the table exceeds its DRAM budget and reads go through a row cache."""
         return self._cache is not None
 
+    @property
+    def cache_rows(self) -> int:
+        """Rows the table's DRAM row cache holds (0: no cache)."""
+        return self._cache.capacity if self._cache is not None else 0
+
+    @property
+    def region(self) -> Region:
+        """The :class:`~memory_pool.tiers.Region` holding the rows (their memory, their file):
+        for the pool's own modules (persist, replay, compaction, the overlay). Not a user API:
+        what goes through it bypasses validation, the row cache, dirty tracking and the
+        on-demand replay."""
+        return self._region
+
+    def close(self) -> None:
+        """Release the rows' region and the row cache (the pool's ``close``)."""
+        self._region.close()
+        self._region.arena = None
+        self._cache = None
+
     def __repr__(self) -> str:
         return (f"Table({self.name!r}, rows={self.num_embeddings}, dim={self.embedding_dim}, "
                 f"dtype={self.config.dtype}, tier={self._region.tier}, cached={self.cached})")
@@ -118,15 +177,15 @@ class Table:
         :meth:`write` unless you know why. Invalid after the pool is closed. After an on-demand
         open, the journal's rows of the whole table are applied first.
         """
-        self.pool._check_open()
-        self.pool._ready_rows(self.name)
+        self._host.check_open()
+        self._host.ready_rows(self.name)
         return self._region.tensor
 
     # -- hot path (callers have validated)
     # (every row path first applies the rows of ids an on-demand replay has not applied yet)
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
-        self.pool._ready_rows(self.name, ids)
-        st = self.pool.stats
+        self._host.ready_rows(self.name, ids)
+        st = self._host.stats
         if self._cache is None:
             out = self._region.tensor.index_select(0, ids)
             st.bytes_read_home += out.numel() * out.element_size()
@@ -140,12 +199,12 @@ class Table:
         return out
 
     def _scatter(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        self.pool._ready_rows(self.name, ids)  # (or a pending journal value would overwrite these later)
+        self._host.ready_rows(self.name, ids)  # (or a pending journal value would overwrite these later)
         self._region.tensor.index_copy_(0, ids, values)
         self._region.mark_dirty(ids)
         if self._cache is not None:
             self._cache.write_through(ids, values)
-        self.pool.stats.bytes_written += values.numel() * values.element_size()
+        self._host.stats.bytes_written += values.numel() * values.element_size()
 
     # -- trusted fast path: for callers that validated ids against this table (the trainer,
     #    the checkpointer, recovery). No checks; documented so no one reaches for _private.
@@ -163,7 +222,7 @@ class Table:
 
     def restore_raw(self, ids: torch.Tensor, raw: torch.Tensor) -> None:
         """Set rows ``ids`` to raw bytes ``raw`` [n, row_bytes] (recovery's write path)."""
-        self.pool._ready_rows(self.name, ids)
+        self._host.ready_rows(self.name, ids)
         self._region.restore_rows(ids, raw)
         if self._cache is not None:
             self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
@@ -186,8 +245,8 @@ class Table:
 
     def _pooled(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
         if self._cache is None:
-            self.pool._ready_rows(self.name, ids)
-            self.pool.stats.bytes_read_home += ids.numel() * self.config.row_bytes
+            self._host.ready_rows(self.name, ids)
+            self._host.stats.bytes_read_home += ids.numel() * self.config.row_bytes
             return F.embedding_bag(ids, self._region.tensor, offsets, mode="sum",
                                    per_sample_weights=per_sample_weights)
         rows = self._gather(ids)
@@ -197,12 +256,12 @@ class Table:
     # -- public API
     def read(self, ids) -> torch.Tensor:
         """Rows ``ids`` as a new [len(ids), dim] tensor. Duplicates are allowed."""
-        self.pool._check_open()
+        self._host.check_open()
         return self._gather(validate_ids(ids, self.config))
 
     def write(self, ids, values: torch.Tensor) -> None:
         """Set rows ``ids`` to ``values`` in place. Ids must be distinct; nothing changes on error."""
-        self.pool._check_writable()
+        self._host.check_writable()
         ids = validate_ids(ids, self.config)
         values = validate_values(values, ids.numel(), self.config)
         if ids.numel() and torch.unique(ids).numel() != ids.numel():
@@ -212,28 +271,28 @@ class Table:
 
     def lookup(self, ids, offsets) -> torch.Tensor:
         """Sum-pooled bags: ``offsets`` [B] (start of each bag in ``ids``) -> [B, dim]."""
-        self.pool._check_open()
+        self._host.check_open()
         ids = validate_ids(ids, self.config)
         offsets = validate_offsets(offsets, ids.numel(), self.config)
         return self._pooled(ids, offsets)
 
     def persist(self, ids=None) -> int:
         """Make rows ``ids`` (default: every row written since the last persist) durable."""
-        self.pool._check_writable()
+        self._host.check_writable()
 
         def persist() -> int:
             # (dirty until the transaction is durable: a failed persist leaves them to its retry)
             rows = self._region.dirty_rows() if ids is None else torch.unique(validate_ids(ids, self.config))
-            return self.pool.persist_rows([(self, rows)])
+            return self._host.persist_rows([(self, rows)])
 
-        return self.pool.stats.counted_persist(persist)
+        return self._host.stats.counted_persist(persist)
 
     def fill_(self, init: str = "uniform", *, scale: float | None = None, seed: int = 0,
               chunk_rows: int = 1 << 18) -> None:
         """Initialise every row: ``zeros``, or ``uniform`` in [-scale, scale] (TorchRec's
         default scale is sqrt(1/num_embeddings)), chunk by chunk so huge tables need no
         table-sized temporary. Deterministic in ``seed``."""
-        self.pool._check_writable()
+        self._host.check_writable()
         validate_init(init)
         if init == "zeros":
             chunks = ((a, None) for a in range(0, self.num_embeddings, chunk_rows))
@@ -247,7 +306,7 @@ class Table:
     def load_(self, values: torch.Tensor) -> None:
         """Replace every row with ``values`` [rows, dim], durably (a bulk write: on a journaled
         tier it goes straight to the table image, not through the journal)."""
-        self.pool._check_writable()
+        self._host.check_writable()
         values = validate_values(values, self.num_embeddings, self.config)
         step = 1 << 18
         self._load_chunks(((a, values[a:a + step]) for a in range(0, self.num_embeddings, step)), step)
@@ -256,8 +315,8 @@ class Table:
         region = self._region
         # Every row is replaced: no journal (or run) value may land later, and no compaction or
         # write-back pass writes the table's older rows into the image until the reset is
-        # committed (MemoryPool._bulk_load forgets its pending rows, and holds them off).
-        with self.pool._bulk_load(self.name):
+        # committed (TableHost.bulk_load forgets its pending rows, and holds them off).
+        with self._host.bulk_load(self.name):
             t = region.tensor
             for a, vals in chunks:
                 b = min(a + chunk_rows, self.num_embeddings)
@@ -272,10 +331,10 @@ class Table:
                 # The image holds the new rows durably; map it afresh so this process sees them
                 # (and drops any copy-on-write pages of the old ones).
                 region.sync(drop_cache=True)
-                self.pool._remap(self)
+                region.remap()
                 region.take_dirty()
-                self.pool._note_reset(self.name)
-            elif self.pool.tier_info.real_pmem:
+                self._host.note_reset(self.name)
+            elif self._host.real_pmem:
                 region.flush_rows(torch.arange(self.num_embeddings))
         if self._cache is not None:
             self._cache = RowCache(region.tensor, self._cache.capacity)

@@ -16,7 +16,8 @@ from . import fileio
 from .arena import Arena, page_round
 from .cache import RowCache
 from .errors import PoolCorruptError, PoolFullError, TableExistsError, TableNotFoundError
-from .table import Table, TableConfig
+from .header import table_file
+from .table import Table, TableConfig, TableHost
 from .tiers import Tier, open_region
 from .validation import validate_init, validate_table_config
 
@@ -26,14 +27,15 @@ __all__ = ["TableSet"]
 class TableSet(Mapping):
     """The tables of an open pool by name, and the memory they live in (see the module).
 
-    ``owner``: the pool each :class:`Table` belongs to; ``cfgs``: the tables the pool's header
-    lists (the arena reserves room for them and as much again, for tables created later);
-    ``where``: the pool's directory (named in errors); ``storage_dir``: where the table files
-    are; ``dram_cache_bytes``: the DRAM budget (None: every table is served from its home)."""
+    ``host``: what each :class:`Table` may ask of the pool (:class:`~memory_pool.table.TableHost`);
+    ``cfgs``: the tables the pool's header lists (the arena reserves room for them and as much
+    again, for tables created later); ``where``: the pool's directory (named in errors);
+    ``storage_dir``: where the table files are; ``dram_cache_bytes``: the DRAM budget (None:
+    every table is served from its home)."""
 
-    def __init__(self, owner, cfgs: list[TableConfig], *, where: Path, tier: Tier, storage_dir: Path, read_only: bool,
-                 dram_cache_bytes: int | None):
-        self._owner = owner
+    def __init__(self, host: TableHost, cfgs: list[TableConfig], *, where: Path, tier: Tier, storage_dir: Path,
+                 read_only: bool, dram_cache_bytes: int | None):
+        self._host = host
         self._where = where
         self._tier = tier
         self._storage_dir = storage_dir
@@ -82,7 +84,7 @@ class TableSet(Mapping):
 
     def _attach(self, cfg: TableConfig, *, create: bool, share: int | None = None) -> Table:
         tier = self._tier
-        file = self._storage_dir / "tables" / f"{cfg.name}.bin" if tier.has_files else None
+        file = table_file(self._storage_dir, cfg.name) if tier.has_files else None
         if not create and file is not None and not file.exists():
             raise PoolCorruptError(f"{self._where}: table file {file} is missing")
         region = open_region(self.arena, tier, file, cfg.num_embeddings, cfg.embedding_dim, cfg.dtype,
@@ -100,7 +102,7 @@ class TableSet(Mapping):
             else:
                 cache_rows = RowCache.slots_for_budget(self._dram_left, cfg.num_embeddings, cfg.row_bytes)
                 self._dram_left = 0
-        return Table(self._owner, cfg, region, cache_rows)
+        return Table(self._host, cfg, region, cache_rows)
 
     def add(self, cfg: TableConfig, *, init: str, scale: float | None, seed: int, capacity: int | None,
             lock: threading.RLock, write_header: Callable[[], None]) -> Table:
@@ -123,8 +125,8 @@ class TableSet(Mapping):
             if self._tier.files_in_pool_dir:
                 # The image and its name durable before the header lists it: a power loss
                 # after the header's write must not leave a table file that is missing or short.
-                fileio.fsync(table._region.fd)
-                fileio.fsync_dir(table._region.path.parent)
+                fileio.fsync(table.region.fd)
+                fileio.fsync_dir(table.region.path.parent)
             with lock:  # (no other header write lists the table before this one, or misses it after)
                 self._by_name[cfg.name] = table
                 write_header()
@@ -132,19 +134,14 @@ class TableSet(Mapping):
             with lock:
                 self._dram_left = dram_left
                 self._by_name.pop(cfg.name, None)
-            table._region.close()
+            table.close()
             if self._tier.has_files:
                 try:
-                    fileio.unlink(table._region.path)
+                    fileio.unlink(table.region.path)
                 except OSError:
                     pass
             raise
         return table
-
-    def remap(self, table: Table) -> None:
-        """Map ``table``'s file afresh (after a bulk load into it: ``Table.load_``)."""
-        r = table._region
-        self.arena.map_file(r.offset, r.fd, r.nbytes, shared=r.shared, writable=not r.read_only)
 
     def used_bytes(self) -> int:
         return sum(t.config.nbytes for t in self._by_name.values())
@@ -152,14 +149,12 @@ class TableSet(Mapping):
     def describe(self) -> list[dict]:
         return [
             {**asdict(t.config), "bytes": t.config.nbytes, "cached": t.cached,
-             "cache_rows": t._cache.capacity if t._cache else 0}
+             "cache_rows": t.cache_rows}
             for t in self._by_name.values()
         ]
 
     def close(self) -> None:
         """Release every table's region; the arena goes with the last reference to it."""
         for t in self._by_name.values():
-            t._region.close()
-            t._region.arena = None
-            t._cache = None
+            t.close()
         self.arena = None

@@ -42,7 +42,7 @@ from ._native import libpmem
 from .arena import Arena
 from .errors import InvalidConfigError, PoolCorruptError, PoolFullError
 
-__all__ = ["TIERS", "Tier", "tier_of", "resolve_tier", "DEFAULT_TIER", "Region", "FileRegion", "open_region", "shm_root", "detect_dax", "durability_of", "is_journaled"]
+__all__ = ["TIERS", "Tier", "tier_of", "resolve_tier", "DEFAULT_TIER", "Region", "FileRegion", "open_region", "shm_root", "detect_dax"]
 
 def shm_root() -> Path:
     return Path(os.environ.get("DLRM_CXL_SHM_DIR", "/dev/shm"))
@@ -156,13 +156,6 @@ def resolve_tier(tier: str) -> str:
     if tier not in TIERS:
         raise InvalidConfigError(f"tier must be one of {TIERS + (AUTO,)}, got {tier!r}")
     return tier
-
-
-def durability_of(tier: str, *, real_pmem: bool = False, libpmem_used: bool = False) -> str:
-    """What survives on ``tier`` (the banner's text): ``tier_of(tier, real_pmem=...).durability``."""
-    if tier not in _BY_NAME:
-        raise ValueError(f"unknown tier {tier!r}")
-    return tier_of(tier, real_pmem=real_pmem).durability
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -390,6 +383,12 @@ class FileRegion(Region):
             except (OSError, AttributeError):
                 pass
 
+    def remap(self) -> None:
+        """Map the file afresh at the region's place in the arena (after a bulk load wrote the
+        image itself: this process then sees the new rows, and drops any copy-on-write pages of
+        the old ones)."""
+        self.arena.map_file(self.offset, self.fd, self.nbytes, shared=self.shared, writable=not self.read_only)
+
     def unmap_home(self) -> None:
         """Drop :meth:`home`'s mapping (before a sync, and at close)."""
         if self._home is not None:
@@ -437,11 +436,6 @@ def libpmem_missing() -> InvalidConfigError:
     return InvalidConfigError(
         "use_libpmem=True but libpmem is not available (not installed, or DLRM_CXL_NO_LIBPMEM=1)",
         hint="apt-get install libpmem1, or pass use_libpmem=None to fall back to msync")
-
-
-def is_journaled(tier: str, real_pmem: bool) -> bool:
-    """Whether rows of this tier are persisted through the pool's journal."""
-    return tier_of(tier, real_pmem=real_pmem).journaled
 
 
 def open_region(arena: Arena, tier: Tier, path: Path | None, rows: int, dim: int, dtype: str, *, create: bool,

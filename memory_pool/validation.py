@@ -8,6 +8,7 @@ import math
 import os
 import re
 
+import numpy as np
 import torch
 
 from .errors import InvalidConfigError, InvalidIdsError, InvalidValuesError
@@ -49,8 +50,10 @@ def validate_journal_env() -> None:
         env_mib(name)
 
 
-def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def is_int(x, *, numpy: bool = False) -> bool:
+    """An int, not a bool (the one integer check of the project); ``numpy``: a numpy integer
+    too (values read from arrays)."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or (numpy and isinstance(x, np.integer))
 
 
 def validate_table_config(cfg) -> None:

@@ -5,8 +5,9 @@ that must not see a step half applied holds it shared. Every attempt is non-bloc
 belongs to the open file description: closing the descriptor releases it, and the kernel drops
 it when the holder dies, even by SIGKILL, so a crashed writer never leaves a stale lock behind.
 
-:func:`take_lock` is what a pool's open and create take (``MemoryPool._lock``); :func:`try_lock`
-and :func:`lock_holder` are its parts, for callers that only probe the lock (``lifecycle``,
+:func:`take_lock` is what a pool's open and create take (``memory_pool/pooldir.py``);
+:func:`try_lock` and :func:`lock_holder` are its parts; :func:`lock_held` probes the lock without
+taking it (``lifecycle``'s region status, ``dlrm-cxl train`` on a pool already at its step,
 ``dlrm-cxl destroy`` of a job).
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from .errors import PoolLockedError
 
-__all__ = ["LOCK_FILE", "try_lock", "lock_holder", "take_lock"]
+__all__ = ["LOCK_FILE", "try_lock", "lock_holder", "lock_held", "take_lock"]
 
 LOCK_FILE = "LOCK"
 
@@ -39,6 +40,25 @@ def lock_holder(pool_dir: str | os.PathLike) -> str:
         return (Path(pool_dir) / LOCK_FILE).read_text().strip()
     except OSError:
         return ""
+
+
+def lock_held(pool_dir: str | os.PathLike) -> bool | None:
+    """True when a process holds ``pool_dir/LOCK`` (a writer, or a reader's shared lock), False
+    when none does or there is no ``LOCK`` file, None when it cannot be tried (the file cannot
+    be opened or locked). Changes nothing: a non-blocking flock released at once, on a
+    descriptor opened read-only (flock needs no write access), and ``LOCK`` is never created."""
+    try:
+        fd = os.open(Path(pool_dir) / LOCK_FILE, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return None
+    try:
+        return not try_lock(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (also releases the probe's lock)
 
 
 def take_lock(path: Path, *, shared: bool = False) -> int | None:

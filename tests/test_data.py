@@ -26,10 +26,10 @@ from dlrm_cxl.data import (
     Prefetcher,
     SyntheticData,
     ZarrReader,
-    _validate_spec,
     convert_tsv_to_zarr,
     criteo_feature_names,
     make_data_source,
+    validate_spec,
 )
 from dlrm_cxl.errors import DataFormatError
 
@@ -138,7 +138,7 @@ def test_spec_validation_names_the_offending_value():
         DataSpec(13, criteo_feature_names(), NUM_EMB[:3] + (0,) + NUM_EMB[4:], 8)
     s = DataSpec(2, ["a", "b"], [5, 6], 3)  # lists are accepted and frozen into tuples
     assert s.feature_names == ("a", "b") and s.num_embeddings == (5, 6)
-    _validate_spec(s)
+    validate_spec(s)
     assert criteo_feature_names() == tuple(f"cat_{i}" for i in range(26))
 
 

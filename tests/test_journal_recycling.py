@@ -18,7 +18,8 @@ import pytest
 
 from helpers import flip
 from memory_pool import NeedsRecoveryError
-from memory_pool.journal import REC, SEG, SEG_RECYCLED, Journal, JournalCorruptError, RecordType, _seg_header
+from memory_pool.journal import REC, SEG, SEG_RECYCLED, Journal, JournalCorruptError, RecordType
+from memory_pool.segment_format import seg_header
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +113,7 @@ def test_a_crash_while_reusing_a_segment_leaves_a_free_file_that_is_ignored(tmp_
     j.close()
     free = sorted(tmp_path.glob("free-*.log"))[-1]
     with open(free, "r+b") as f:
-        f.write(_seg_header(nxt, SEG_RECYCLED))  # what _reuse_free had done when it died
+        f.write(seg_header(nxt, SEG_RECYCLED))  # what _reuse_free had done when it died
 
     back = Journal(tmp_path, segment_bytes=700)
     assert [t.tag for t in back.txns] == tags and back.torn_bytes == 0 and back.tail == []

@@ -59,9 +59,9 @@ from .batch import (
     CRITEO_NUM_SPARSE,
     Batch,
     DataSpec,
-    _validate_spec,
     criteo_feature_names,
     make_batch,
+    validate_spec,
 )
 from .criteo import CriteoTSVReader
 from .prefetch import Prefetcher
@@ -81,6 +81,7 @@ __all__ = [
     "criteo_feature_names",
     "make_batch",
     "make_data_source",
+    "validate_spec",
 ]
 
 

@@ -50,23 +50,18 @@ class DataSpec:
         # accept lists from callers/JSON; store tuples so the spec stays hashable and immutable
         object.__setattr__(self, "feature_names", tuple(self.feature_names))
         object.__setattr__(self, "num_embeddings", tuple(self.num_embeddings))
-        _validate_spec(self)
+        validate_spec(self)
 
     @property
     def num_sparse(self) -> int:
         return len(self.feature_names)
 
 
-def _is_int(x: Any) -> bool:
-    """:func:`memory_pool.validation.is_int`, or a numpy integer (values read from arrays)."""
-    return is_int(x) or isinstance(x, np.integer)
-
-
-def _validate_spec(spec: DataSpec) -> None:
+def validate_spec(spec: DataSpec) -> None:
     """Raise ValueError naming the offending value if ``spec`` is unusable."""
-    if not _is_int(spec.num_dense) or spec.num_dense < 0:
+    if not is_int(spec.num_dense, numpy=True) or spec.num_dense < 0:
         raise ValueError(f"DataSpec.num_dense must be an int >= 0, got {spec.num_dense!r}")
-    if not _is_int(spec.batch_size) or spec.batch_size < 1:
+    if not is_int(spec.batch_size, numpy=True) or spec.batch_size < 1:
         raise ValueError(f"DataSpec.batch_size must be an int >= 1, got {spec.batch_size!r}")
     if len(spec.feature_names) == 0:
         raise ValueError("DataSpec.feature_names must name at least one sparse feature, got ()")
@@ -82,7 +77,7 @@ def _validate_spec(spec: DataSpec) -> None:
             f"{len(spec.feature_names)}; give one table size per feature"
         )
     for name, n in zip(spec.feature_names, spec.num_embeddings):
-        if not _is_int(n) or n < 1:
+        if not is_int(n, numpy=True) or n < 1:
             raise ValueError(f"DataSpec.num_embeddings[{name!r}] must be an int >= 1, got {n!r}")
 
 
@@ -100,12 +95,14 @@ def make_batch(dense: np.ndarray, ids: np.ndarray, labels: np.ndarray, feature_n
     )
 
 
-def _bad_position(source: str, position: Any, expected: str) -> DataFormatError:
+def bad_position(source: str, position: Any, expected: str) -> DataFormatError:
+    """The error a data source raises for a resume position it did not yield."""
     return DataFormatError(
         f"{source}: invalid position {position!r}; expected {expected}",
         hint="pass a position yielded by this data source's iter_batches (or None to start)",
     )
 
 
-def _nonneg_int(d: dict, key: str) -> bool:
-    return key in d and _is_int(d[key]) and d[key] >= 0
+def nonneg_int(d: dict, key: str) -> bool:
+    """``d[key]`` exists and is an integer >= 0 (a field of a resume position)."""
+    return key in d and is_int(d[key], numpy=True) and d[key] >= 0

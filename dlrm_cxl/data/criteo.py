@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import DataFormatError
 
-from .batch import Batch, DataSpec, _bad_position, _nonneg_int, _validate_spec, make_batch
+from .batch import Batch, DataSpec, bad_position, make_batch, nonneg_int, validate_spec
 
 _LABELS = frozenset((b"0", b"1"))
 _INT_RE = re.compile(rb"-?[0-9]+")
@@ -38,7 +38,7 @@ class CriteoTSVReader:
     """
 
     def __init__(self, path: str | os.PathLike, spec: DataSpec, skip_bad_lines: bool = False):
-        _validate_spec(spec)
+        validate_spec(spec)
         self.path = Path(path)
         self.spec = spec
         self.skip_bad_lines = bool(skip_bad_lines)
@@ -122,17 +122,17 @@ class CriteoTSVReader:
             return 0, 0, 0
         exp = '{"epoch": int >= 0, "offset": int >= 0, "line": int >= 0}'
         if not isinstance(position, dict) or not all(
-            _nonneg_int(position, k) for k in ("epoch", "offset", "line")
+            nonneg_int(position, k) for k in ("epoch", "offset", "line")
         ):
-            raise _bad_position(str(self.path), position, exp)
+            raise bad_position(str(self.path), position, exp)
         off = int(position["offset"])
         if off > size:
-            raise _bad_position(str(self.path), position, f"an offset <= the file size {size}")
+            raise bad_position(str(self.path), position, f"an offset <= the file size {size}")
         if off > 0:
             with open(self.path, "rb") as f:
                 f.seek(off - 1)
                 if f.read(1) != b"\n":
-                    raise _bad_position(str(self.path), position, "an offset at the start of a line")
+                    raise bad_position(str(self.path), position, "an offset at the start of a line")
         return int(position["epoch"]), off, int(position["line"])
 
     def iter_arrays(self, rows: int, position: dict | None, cyclic: bool):

@@ -8,7 +8,7 @@ from typing import Iterable
 
 from memory_pool.threads import one_intra_op_thread
 
-from .batch import _is_int
+from memory_pool.validation import is_int
 
 _ITEM, _END, _ERR = 0, 1, 2
 
@@ -22,7 +22,7 @@ class Prefetcher:
     """
 
     def __init__(self, iterable: Iterable, depth: int = 2):
-        if not _is_int(depth) or depth < 1:
+        if not is_int(depth, numpy=True) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
         self._it = iter(iterable)
         self._q: queue.Queue = queue.Queue(maxsize=depth)

@@ -8,7 +8,9 @@ from typing import Iterator
 
 import numpy as np
 
-from .batch import Batch, DataSpec, _bad_position, _is_int, _nonneg_int, _validate_spec, make_batch
+from memory_pool.validation import is_int
+
+from .batch import Batch, DataSpec, bad_position, make_batch, nonneg_int, validate_spec
 
 _M64 = (1 << 64) - 1
 _PERM_PRIME = (1 << 61) - 1  # Mersenne prime: gcd(P, n) == 1 for every table size n < P
@@ -49,8 +51,8 @@ class SyntheticData:
 
     def __init__(self, spec: DataSpec, seed: int = 0, alpha: float = 1.05,
                  informative: int = 3, effect_scale: float = 2.0):
-        _validate_spec(spec)
-        if not _is_int(seed) or not (0 <= seed <= _M64):
+        validate_spec(spec)
+        if not is_int(seed, numpy=True) or not (0 <= seed <= _M64):
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         alpha = float(alpha)
         if not math.isfinite(alpha) or alpha < 0:
@@ -119,7 +121,7 @@ class SyntheticData:
         return z
 
     def batch(self, k: int) -> Batch:
-        if not _is_int(k) or k < 0:
+        if not is_int(k, numpy=True) or k < 0:
             raise ValueError(f"batch index must be an int >= 0, got {k!r}")
         b, nd, nf = self.spec.batch_size, self.spec.num_dense, self.spec.num_sparse
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(k)])))
@@ -135,10 +137,10 @@ class SyntheticData:
         """Yield ``(batch(k), {"batch": k + 1})`` for k from ``position["batch"]`` (0) on."""
         if position is None:
             k = 0
-        elif isinstance(position, dict) and _nonneg_int(position, "batch"):
+        elif isinstance(position, dict) and nonneg_int(position, "batch"):
             k = int(position["batch"])
         else:
-            raise _bad_position("synthetic", position, '{"batch": int >= 0}')
+            raise bad_position("synthetic", position, '{"batch": int >= 0}')
         while True:
             yield self.batch(k), {"batch": k + 1}
             k += 1

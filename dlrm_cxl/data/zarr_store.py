@@ -13,9 +13,10 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import DataFormatError, InvalidConfigError
+from memory_pool.validation import is_int
 
-from .batch import Batch, DataSpec, _bad_position, _is_int, _nonneg_int, _validate_spec, make_batch
+from ..errors import DataFormatError, InvalidConfigError
+from .batch import Batch, DataSpec, bad_position, make_batch, nonneg_int, validate_spec
 from .criteo import CriteoTSVReader
 
 ZARR_FORMAT = "dlrm-cxl-criteo"
@@ -150,8 +151,8 @@ def convert_tsv_to_zarr(
     """
     import zarr
 
-    _validate_spec(spec)
-    if not _is_int(chunk_rows) or chunk_rows < 1:
+    validate_spec(spec)
+    if not is_int(chunk_rows, numpy=True) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
     t0 = time.perf_counter()
     reader = CriteoTSVReader(tsv_path, spec, skip_bad_lines=skip_bad_lines)
@@ -249,7 +250,7 @@ class ZarrReader:
     def __init__(self, path: str | os.PathLike, spec: DataSpec):
         import zarr
 
-        _validate_spec(spec)
+        validate_spec(spec)
         self.path = Path(path)
         self.spec = spec
         reconvert = "re-convert the TSV with convert_tsv_to_zarr(tsv, zarr, spec) for this spec"
@@ -361,9 +362,9 @@ class ZarrReader:
         if position is None:
             epoch, row = 0, 0
         else:
-            if not (isinstance(position, dict) and _nonneg_int(position, "epoch")
-                    and _nonneg_int(position, "row") and position["row"] <= self.num_rows):
-                raise _bad_position(str(self.path), position,
+            if not (isinstance(position, dict) and nonneg_int(position, "epoch")
+                    and nonneg_int(position, "row") and position["row"] <= self.num_rows):
+                raise bad_position(str(self.path), position,
                                     f'{{"epoch": int >= 0, "row": 0..{self.num_rows}}}')
             epoch, row = int(position["epoch"]), int(position["row"])
         bsz, n, cr = self.spec.batch_size, self.num_rows, self.chunk_rows
