@@ -362,6 +362,3 @@ def data_convert_hint(cfg, what: str = "convert the TSV again for this model") -
         flags = "--config MODEL.json  (the pool's model: `dlrm-cxl inspect --json`)"
     return f"{what}: `dlrm-cxl data convert FILE.tsv DIR.zarr {flags}`"
 
-
-def _print_json(obj) -> None:
-    print(json.dumps(obj, indent=1, sort_keys=True, default=str))

@@ -10,7 +10,7 @@ before the step changes a row: the first difference stops the replay with
 :class:`ReplayMismatchError` (exit 11) and leaves the pool at the last step that agreed.
 
 Replay needs the same data: each run records what identifies its data source in the pool
-(:func:`data_identity`: path, size and mtime of a file; of every file of a zarr directory;
+(:func:`dlrm_cxl.replay_source.data_identity`: path, size and mtime of a file; of every file of a zarr directory;
 the seed of synthetic data), and the settings that make a step bit-exact (torch's threads, the
 kernel, the device). A source that is gone or changed stops recovery at the window's start
 (:class:`ReplaySourceError`, exit 12): it never replays different data.
@@ -21,58 +21,17 @@ trainer checks each step it re-runs, see ``Trainer.check_replay``).
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 from typing import Callable
 
 from .errors import ReplaySourceError
+from .replay_source import check_replay_source
 
-__all__ = ["data_identity", "check_replay_source", "run_settings", "recover_and_replay", "REPLAY_PHASE"]
+__all__ = ["recover_and_replay", "REPLAY_PHASE"]
 
 # `dlrm-cxl recover --crash-at mid-replay`: SIGKILL once half of the steps were replayed (tests:
 # a crash during the replay, then recovery again).
 REPLAY_PHASE = "mid-replay"
-
-
-def data_identity(data: str | None) -> dict:
-    """What identifies a data source: synthetic data by its name (its seed and skew are the
-    pool's own), a file by path, size and mtime, a directory (zarr) by those of every file."""
-    if data is None or str(data) == "synthetic":
-        return {"source": "synthetic"}
-    p = Path(data).resolve()
-    if p.is_dir():
-        files = []
-        for d, _, names in os.walk(p):
-            for n in sorted(names):
-                st = os.stat(os.path.join(d, n))
-                files.append([os.path.relpath(os.path.join(d, n), p), st.st_size, st.st_mtime_ns])
-        return {"source": str(p), "files": sorted(files)}
-    st = p.stat()
-    return {"source": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def check_replay_source(recorded: dict | None, data: str | None, *, first: int, last: int, step: int) -> None:
-    """Raise ReplaySourceError when ``data`` is not the source the steps ``first..last`` read
-    (``recorded``: the pool's ``data_identity`` meta; None for a pool that recorded none)."""
-    if recorded is None:
-        return
-    what = f"steps {first}..{last}" if last > first else f"step {first}"
-    if recorded.get("source") != "synthetic" and not Path(recorded["source"]).exists():
-        raise ReplaySourceError(f"the data file {recorded['source']} that {what} read is gone: the pool stays at "
-                                f"step {step}, the start of its recovery window (a replay never reads other data)")
-    now = data_identity(data)
-    if now != recorded:
-        raise ReplaySourceError(f"the data source {recorded.get('source')} changed since {what} read it "
-                                f"(size or modification time differ): the pool stays at step {step}, the start of "
-                                f"its recovery window (a replay never reads other data)")
-
-
-def run_settings(threads: int, kernel: str, device: str, dram_cache_bytes: int | None = None) -> dict:
-    """What a replay must run with to be bit-exact, recorded in the pool at each run's start:
-    torch's threads, the kernels the steps ran on (fused, or the reference path: also what a
-    DRAM row cache or several ranks imply), the device, the DRAM cache's budget."""
-    return {"threads": threads, "kernel": kernel, "device": device, "dram_cache_bytes": dram_cache_bytes}
 
 
 def recover_and_replay(path, *, dry_run: bool = False, digest: bool = True, crash_phase: str | None = None,

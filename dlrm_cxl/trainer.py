@@ -32,7 +32,7 @@ from .evaluation import eval_source, evaluate
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
-from .replay import check_replay_source, data_identity, run_settings
+from .replay_source import check_replay_source, data_identity, run_settings
 
 __all__ = ["Trainer", "io_write_bytes"]
 

@@ -1,7 +1,7 @@
 """Row gathering for the checkpointer: copies of the rows ``[(table, ids)]`` a step touches,
 grouped so that the tables of one row size in the pool's arena are copied with one
 ``index_select`` (the undo log and the journal gather ~50 (table, rows) pairs a step). The pool's
-methods of the same names (``MemoryPool.row_gathers``, ``gather_row_groups``, ``gather_rows``,
+methods of the same names (``MemoryPool.row_gathers``, ``gather_row_groups``,
 ``copy_row_gathers``, ``rows_per_pair``) apply the rows an on-demand replay has not applied yet
 first, then call these.
 """

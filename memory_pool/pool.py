@@ -177,11 +177,6 @@ class MemoryPool:
         self._compaction.wait()
 
     # -- row gathering for the checkpointer (memory_pool/gather.py)
-    def gather_rows(self, pairs, buffers: dict | None = None) -> list[torch.Tensor]:
-        """Copies of rows ``[(table, ids)]`` (trusted ids), one tensor per pair (views of
-        :meth:`gather_row_groups`' buffers)."""
-        return self.rows_per_pair(pairs, self.gather_row_groups(pairs, buffers))
-
     rows_per_pair = staticmethod(rows_per_pair)
     copy_row_gathers = staticmethod(copy_row_gathers)
 
