@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kernel", choices=["fused", "reference"], default="fused",
                    help="embedding kernels: fbgemm's fused TBE in place on the pool (default), or the "
                         "reference path (gather, scatter of gradients, batched optimizer)")
-    t.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed data lines")
+    t.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip malformed data lines and count them (a bad line once, however many passes read it)")
     t.add_argument("--fresh", action="store_true", help="delete the pool first and start over")
     t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     t.add_argument("--json", action="store_true",

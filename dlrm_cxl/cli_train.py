@@ -14,7 +14,8 @@ from pathlib import Path
 from .cli_args import _print_json, data_convert_hint, model_config_from_args
 from .errors import ConfigMismatchError, DataFormatError, InvalidConfigError, PoolNotWritableError
 
-__all__ = ["_cmd_train", "_cmd_recover", "check_data_path", "check_pool_writable", "not_writable_error"]
+__all__ = ["_cmd_train", "_cmd_recover", "check_data_path", "check_pool_writable", "not_writable_error",
+           "describe_skips"]
 
 
 def _cmd_train(args) -> int:
@@ -85,9 +86,10 @@ def _cmd_train(args) -> int:
             summary = trainer.run()
             digest = trainer.digest()
             model_digest = trainer.digest(resume=False)
-            # lines --skip-bad-lines skipped while reading (read-ahead included; a line is counted
-            # each epoch it is read)
-            skipped = int(getattr(trainer.source, "skipped", 0) or 0)
+            # what --skip-bad-lines skipped in the data trained on (up to the last step's batch,
+            # not the read-ahead): distinct bad lines, times skipped, passes that skipped one
+            skips = trainer.source.skip_report(upto=trainer._positions.get(trainer.step)) \
+                if hasattr(trainer.source, "skip_report") else None
         finally:
             trainer.close()
     finally:
@@ -100,7 +102,8 @@ def _cmd_train(args) -> int:
     d = summary.as_dict()
     d["state_digest"] = digest
     d["model_digest"] = model_digest
-    d.setdefault("skipped_lines", skipped)
+    d.setdefault("skipped_lines", skips["lines"] if skips else 0)  # (distinct bad lines)
+    d.setdefault("bad_lines", skips)
     if args.json:
         _print_json(d)
         return 0
@@ -116,8 +119,8 @@ def _cmd_train(args) -> int:
         print(f"loss (mean of last 10 steps): {summary.final_loss:.4f}")
     if summary.epochs:
         print(f"data: the file was read {summary.epochs} time(s) from the start (epochs wrapped)")
-    if d["skipped_lines"]:
-        print(f"data: {d['skipped_lines']} malformed line(s) skipped (--skip-bad-lines)")
+    if skips and skips["skips"]:
+        print(f"data: {describe_skips(skips)} (--skip-bad-lines)")
     # The writer's CPU too: on its own thread, but on a machine with no core to spare it is taken
     # from the step about one for one (measured on 2 cores), which the critical path does not show.
     where = "inline on the trainer's thread (in the critical path)" if ck.get("writer") == "inline" else \
@@ -180,6 +183,18 @@ def _cmd_recover(args) -> int:
     if rep.state_digest:
         print(f"state_digest {rep.state_digest}")
     return 0
+
+
+def describe_skips(report: dict) -> str:
+    """What --skip-bad-lines skipped, in words (``report``: CriteoTSVReader.skip_report()): a
+    bad line is counted once, however many passes over the file read it."""
+    n, skips, passes = report["lines"], report["skips"], report["passes"]
+    lines = f"{n} malformed line{'' if n == 1 else 's'}"
+    if passes <= 1:
+        return f"{lines} skipped"
+    if skips == n * passes:
+        return f"{lines}, skipped on each of {passes} passes over the file"
+    return f"{lines}, skipped {skips} times over {passes} passes over the file"
 
 
 def _recorded_data(pool: Path) -> str:

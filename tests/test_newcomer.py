@@ -5,6 +5,7 @@ and the read-only (immutable) pool."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -238,3 +239,37 @@ def test_the_readme_the_help_and_the_code_list_the_same_exit_codes():
     assert {c.exit_code for c in classes} <= set(EXIT_CODES)
     assert errors.PoolNotWritableError.exit_code == 2 and "PoolNotWritableError" in section
     assert "needs recovery" in section and "NeedsRecoveryError" in section
+
+
+# --------------------------------------------------------------------------- --skip-bad-lines, eval
+
+
+def _tsv_with_one_bad_line(tmp_path: Path) -> Path:
+    """The 100-line sample with one malformed line inserted as line 37 (36 good lines before it)."""
+    lines = TSV.read_bytes().splitlines(keepends=True)
+    fields = lines[36].split(b"\t")
+    fields[14] = b"not-hex!"
+    bad = tmp_path / "bad.tsv"
+    bad.write_bytes(b"".join(lines[:36]) + b"\t".join(fields) + b"".join(lines[36:]))
+    return bad
+
+
+def test_skip_bad_lines_counts_a_bad_line_once_and_says_on_how_many_passes_it_was_skipped(tmp_path):
+    bad = _tsv_with_one_bad_line(tmp_path)
+    steps, batch = 50, 32  # 1600 samples: 16 passes over the 100 good lines
+    flags = ["--pool", tmp_path / "p", *TINY, "--batch-size", batch, "--data", bad, "--skip-bad-lines"]
+    code, out, err = run_main("train", *flags, "--steps", steps)
+    assert code == 0, err
+    # the reference: the passes whose samples reached past the 36 good lines before the bad one
+    passes = sum(1 for k in range(100) if 100 * k + 36 < steps * batch)
+    assert passes == 16
+    assert f"data: 1 malformed line, skipped on each of {passes} passes over the file (--skip-bad-lines)" in out, out
+    assert f"{passes} malformed" not in out
+    # resumed at the end of a pass: step 51 reads lines 1-32 of the next pass, step 52 past line 37
+    code, out, err = run_main("train", *flags, "--steps", steps + 1, "--json")
+    assert code == 0, err
+    assert json.loads(out)["bad_lines"] == {"lines": 0, "skips": 0, "passes": 0}
+    code, out, err = run_main("train", *flags, "--steps", steps + 2, "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["skipped_lines"] == 1 and d["bad_lines"] == {"lines": 1, "skips": 1, "passes": 1}
