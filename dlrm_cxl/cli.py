@@ -109,6 +109,8 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_eval(args) -> int:
+    from checkpointing import checkpoint_status
+
     from .evaluation import eval_source, evaluate
     from .model_io import open_model
     from .options import data_spec
@@ -119,19 +121,29 @@ def _cmd_eval(args) -> int:
     pool, cfg, model = open_model(args.pool)
     try:
         meta = pool.meta
+        step = checkpoint_status(pool)["committed_step"]
         data = args.data or meta.get("data", "synthetic")
         try:
             source = eval_source(data, data_spec(cfg), seed=meta.get("seed", 0),
                                  zipf_alpha=meta.get("zipf_alpha", 1.05), skip_bad_lines=args.skip_bad_lines)
+            res = evaluate(model, source, args.batches)
         except DataFormatError as exc:
             raise _with_cli_hint(exc, cfg) from None
-        res = evaluate(model, source, args.batches)
     finally:
         pool.close()
+    res = {"step": step, "data": str(data), **res}
     if args.json:
         _print_json(res)
+        return 0
+    what = "held-out synthetic data" if str(data) == "synthetic" else str(data)
+    if res["whole_data"]:
+        how = "the whole file, each sample once" if Path(data).is_file() else "the whole dataset, each sample once"
+    elif str(data) == "synthetic":
+        how = f"{args.batches} batches"
     else:
-        print(f"eval on {data}: auc {res['auc']:.4f}, logloss {res['logloss']:.4f} over {res['samples']} samples")
+        how = f"the first {args.batches} batches; --batches N reads more"
+    print(f"eval of step {step} on {what}: auc {res['auc']:.4f}, logloss {res['logloss']:.4f} over "
+          f"{res['samples']} samples ({how})")
     return 0
 
 

@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pool", default=DEFAULT_POOL, help=f"pool directory (default {DEFAULT_POOL})")
     e.add_argument("--data", default=None, help="synthetic | FILE.tsv | DIR.zarr (default: held-out synthetic "
                                                 "data, or the file the pool was trained on)")
-    e.add_argument("--batches", type=int, default=8, metavar="N", help="batches to evaluate (default 8)")
+    e.add_argument("--batches", type=int, default=8, metavar="N",
+                   help="batches to evaluate at most (default 8); a file or zarr dataset is read once from its "
+                        "start, never cycled: a smaller one is evaluated whole, each sample once")
     e.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
 

@@ -134,7 +134,7 @@ def test_train_inspect_eval_in_process(trained):
     code, js, _ = run_main("eval", "--pool", pool, "--json", "--batches", 8)
     assert code == 0
     res = json.loads(js)
-    assert res["samples"] == 8 * 64
+    assert res["samples"] == 8 * 64 and res["step"] == 60 and res["data"] == "synthetic"
     assert math.isfinite(res["logloss"]) and res["logloss"] < 0.69
     assert res["auc"] > 0.6, res
 
@@ -320,6 +320,7 @@ def test_export_loads_into_torchrec_dlrm_and_import_recreates_the_tables(trained
     # same weights -> same predictions -> same eval
     a = json.loads(run_main("eval", "--pool", pool, "--json")[1])
     b = json.loads(run_main("eval", "--pool", new, "--json")[1])
+    assert (a.pop("step"), b.pop("step")) == (60, 0)  # (the step each one evaluated)
     assert a == b
 
 

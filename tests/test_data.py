@@ -349,6 +349,23 @@ def test_skip_report_counts_each_bad_line_once_however_many_passes_read_it(tmp_p
     assert len(read_upto) < len(read)
 
 
+def test_one_pass_reads_each_sample_once_with_a_short_last_batch(tmp_path):
+    """What evaluation reads: the TSV and its zarr conversion in one pass, never cycled."""
+    lines = sample_lines()
+    reader = CriteoTSVReader(SAMPLE, spec(32))
+    batches = [b for b, _ in reader.iter_pass()]
+    assert [b.labels.numel() for b in batches] == [32, 32, 32, 4]
+    for k, b in enumerate(batches):
+        assert_batch_is(b, lines, list(range(32 * k, min(32 * k + 32, 100))))
+    z = tmp_path / "s.zarr"
+    convert_tsv_to_zarr(SAMPLE, z, spec(32), chunk_rows=24)  # (batches span chunks)
+    zb = [b for b, _ in ZarrReader(z, spec(32)).iter_pass()]
+    assert [b.labels.numel() for b in zb] == [32, 32, 32, 4]
+    for a, b in zip(batches, zb):
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.dense, b.dense)
+        assert torch.equal(a.sparse.values(), b.sparse.values())
+
+
 def test_empty_and_all_bad_files_raise_instead_of_looping(tmp_path):
     empty = tmp_path / "empty.tsv"
     empty.write_bytes(b"")

@@ -273,3 +273,24 @@ def test_skip_bad_lines_counts_a_bad_line_once_and_says_on_how_many_passes_it_wa
     assert code == 0, err
     d = json.loads(out)
     assert d["skipped_lines"] == 1 and d["bad_lines"] == {"lines": 1, "skips": 1, "passes": 1}
+
+
+def test_eval_of_a_file_smaller_than_its_batches_evaluates_each_sample_once_and_names_the_step(pool, tmp_path):
+    p, _ = pool  # tiny (batch 64) at step 2
+    n_lines = len(TSV.read_bytes().splitlines())
+    code, out, err = run_main("eval", "--pool", p, "--data", TSV)  # 8 batches of 64 > 100 lines
+    assert code == 0, err
+    assert re.fullmatch(rf"eval of step 2 on {re.escape(str(TSV))}: auc \d\.\d{{4}}, logloss \d\.\d{{4}} over "
+                        rf"{n_lines} samples \(the whole file, each sample once\)\n", out), out
+    code, js, err = run_main("eval", "--pool", p, "--data", TSV, "--json")
+    res = json.loads(js)
+    assert (res["step"], res["samples"], res["whole_data"], res["data"]) == (2, 100, True, str(TSV)), res
+    # its zarr conversion is the same samples: the same result (an independent path through the data)
+    z = tmp_path / "s.zarr"
+    assert run_main("data", "convert", TSV, z, "--preset", "tiny")[0] == 0
+    zres = json.loads(run_main("eval", "--pool", p, "--data", z, "--json")[1])
+    assert (zres["samples"], zres["auc"], zres["logloss"]) == (100, res["auc"], res["logloss"])
+    # fewer batches than the file: the first ones, said so
+    code, out, _ = run_main("eval", "--pool", p, "--data", TSV, "--batches", 1)
+    assert code == 0 and "over 64 samples (the first 1 batches; --batches N reads more)" in out, out
+    assert json.loads(run_main("eval", "--pool", p, "--data", TSV, "--batches", 1, "--json")[1])["whole_data"] is False

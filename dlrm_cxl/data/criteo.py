@@ -274,5 +274,12 @@ class CriteoTSVReader:
         for dense, ids, labels, pos in self.iter_arrays(self.spec.batch_size, position, cyclic=True):
             yield make_batch(dense, ids, labels, names), pos
 
+    def iter_pass(self) -> Iterator[tuple[Batch, dict]]:
+        """One pass over the file from its start (each sample once, the last batch short): what
+        evaluation reads, where training cycles (:meth:`iter_batches`)."""
+        names = self.spec.feature_names
+        for dense, ids, labels, pos in self.iter_arrays(self.spec.batch_size, None, cyclic=False):
+            yield make_batch(dense, ids, labels, names), pos
+
     def __iter__(self) -> Iterator[tuple[Batch, dict]]:
         return self.iter_batches()
