@@ -30,6 +30,7 @@ from .errors import (
     PoolLockedError,
     PoolNotWritableError,
 )
+from .pool_status import needs_recovery
 
 __all__ = ["main", "build_parser", "model_config_from_args", "PRESET_NAMES"]
 
@@ -44,6 +45,7 @@ def _inspect_pool(path, digest: bool) -> dict:
         status = checkpoint_status(pool)
         info["checkpoint"] = status
         info["step"] = status["committed_step"]
+        info["needs_recovery"] = needs_recovery(status)  # (the rule eval, export and train apply)
         info["state_digest"] = None
         if digest and status["committed_step"] is not None and not status["needs_recovery"]:
             info["state_digest"] = state_digest(pool, committed_state(pool)[1])
@@ -59,7 +61,7 @@ def _inspect_job(args) -> int:
     steps = [r["step"] for r in ranks]
     committed = None if any(s is None for s in steps) else min(steps)
     # A rank ahead of the others is rolled back at the next start: the job needs recovery.
-    needs = any(r["checkpoint"]["needs_recovery"] for r in ranks) or len(set(steps)) > 1
+    needs = any(r["needs_recovery"] for r in ranks) or len(set(steps)) > 1
     digests = [r["state_digest"] for r in ranks]
     info = {"path": str(args.pool), "world_size": len(ranks), "step": committed, "needs_recovery": needs,
             "state_digest": combine_digests(digests) if all(digests) and not needs else None, "ranks": ranks}
@@ -69,7 +71,7 @@ def _inspect_job(args) -> int:
     print(f"job {info['path']}: {len(ranks)} ranks, step reached (committed by every rank): {committed}")
     for i, r in enumerate(ranks):
         print(f"  rank {i}: tier {r['tier']}, {len(r['tables'])} tables, {r['used_bytes'] / 1e6:.1f} MB, "
-              f"committed step {r['step']}" + ("  (needs recovery)" if r["checkpoint"]["needs_recovery"] else ""))
+              f"committed step {r['step']}" + ("  (needs recovery)" if r["needs_recovery"] else ""))
     if needs:
         print(f"needs recovery: run dlrm-cxl recover --pool {info['path']}")
     if info["state_digest"]:
@@ -99,10 +101,14 @@ def _cmd_inspect(args) -> int:
         print(f"row overlay: {ov['runs']} runs, {ov['bytes'] / 1e6:.1f} MB, {ov['rows']:,} rows kept out of the "
               f"images (memory_pool/overlay.py)")
     print(f"step reached (committed): {status['committed_step']}")
-    if status["needs_recovery"]:
-        print(f"needs recovery: uncommitted steps {status['steps_to_roll_back']}"
-              + (f"; damage: {status['damaged']}" if status["damaged"] else "")
-              + ("; trained with --checkpoint none and interrupted" if status["trained_without_undo"] else ""))
+    if info["needs_recovery"]:
+        steps = status["steps_to_roll_back"]
+        why = ([f"uncommitted step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"] if steps else []) \
+            + ([f"{status['torn_bytes']} bytes of unfinished journal records"] if status["torn_bytes"] else []) \
+            + ([f"damage: {'; '.join(status['damaged'])}"] if status["damaged"] else []) \
+            + (["trained with --checkpoint none and interrupted"] if status["trained_without_undo"] else [])
+        print(f"needs recovery: {'; '.join(why)} (`dlrm-cxl recover --pool {info['path']}`; eval and export refuse "
+              f"it until then)")
     if info["state_digest"]:
         print(f"state_digest {info['state_digest']}")
     return 0

@@ -233,17 +233,20 @@ def test_real_processes_train_inspect_and_crash(tmp_path):
     info = json.loads(p.stdout)
     assert (info["step"], info["state_digest"], info["tier"]) == (3, digest, "pmem")
 
-    # SIGKILL in the middle of step 5 on (emulated) pmem: the step's rows never reached durable
-    # media, so the pool reads as its newest commit at once: export works without a recovery.
-    p = run_cli("train", "--pool", pool, "--steps", 8, "--threads", 1, "--no-progress",
+    # SIGKILL in the middle of step 5 on (emulated) pmem, the journal writer inline (step 4 is
+    # durable before step 5 begins): the step's rows never reached durable media and nothing of
+    # it is in the journal, so the pool is at its newest commit at once: export works without a
+    # recovery (nothing is left for `recover` to do).
+    p = run_cli("train", "--pool", pool, "--steps", 8, "--threads", 1, "--no-progress", "--writer", "inline",
                 "--crash-at", "5:after-update", console_script=True)
     assert p.returncode == -9, (p.returncode, p.stderr)
     assert "crash injection: SIGKILL at step 5 after-update" in p.stderr
     code, out, err = run_main("inspect", "--pool", pool, "--json")
-    assert code == 0 and 3 <= json.loads(out)["step"] < 5 and not json.loads(out)["checkpoint"]["needs_recovery"]
+    assert code == 0 and json.loads(out)["step"] == 4 and not json.loads(out)["checkpoint"]["needs_recovery"]
+    assert not json.loads(out)["needs_recovery"]
     assert run_main("export", "--pool", pool, "--out", tmp_path / "x.pt")[0] == 0
     code, out, _ = run_main("recover", "--pool", pool, "--json")
-    assert code == 0 and 3 <= json.loads(out)["committed_step"] < 5
+    assert code == 0 and json.loads(out)["committed_step"] == 4
     assert re.fullmatch(r"[0-9a-f]{64}", json.loads(out)["state_digest"])
 
     # The same on shm, where step 5 changed rows in place: eval and export refuse the half-done

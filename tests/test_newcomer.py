@@ -294,3 +294,44 @@ def test_eval_of_a_file_smaller_than_its_batches_evaluates_each_sample_once_and_
     code, out, _ = run_main("eval", "--pool", p, "--data", TSV, "--batches", 1)
     assert code == 0 and "over 64 samples (the first 1 batches; --batches N reads more)" in out, out
     assert json.loads(run_main("eval", "--pool", p, "--data", TSV, "--batches", 1, "--json")[1])["whole_data"] is False
+
+
+# --------------------------------------------------------------------------- needs recovery: one rule on every tier
+
+
+def test_eval_and_export_refuse_a_pool_that_needs_recovery_alike_on_shm_and_pmem(tmp_path):
+    """A crash between a step's records and its commit (3:before-commit: the transaction is in the
+    journal, its END is not): on shm the step changed rows in place, on emulated pmem they never
+    reached the images; on both `recover` has work to do, and eval and export refuse with the same
+    error, hint and exit code until it ran. `inspect` says so on both."""
+    errs = {}
+    for tier in ("pmem", "shm"):
+        p = tmp_path / tier
+        assert run_main("train", "--pool", p, *TINY, "--tier", tier, "--steps", 2)[0] == 0
+        r = run_cli("train", "--pool", p, "--steps", 5, "--threads", 1, "--no-progress",
+                    "--crash-at", "3:before-commit")
+        assert r.returncode == -9, r.stderr
+        code, _, err = run_main("eval", "--pool", p)
+        assert_clean_error(code, err, 2, "needs recovery (step 3 was not committed)",
+                           f"`dlrm-cxl recover --pool {p}` first")
+        errs[tier] = err.replace(str(p), "P")
+        code, _, err2 = run_main("export", "--pool", p, "--out", tmp_path / f"{tier}.pt")
+        assert_clean_error(code, err2, 2, "needs recovery (step 3 was not committed)")
+        assert not (tmp_path / f"{tier}.pt").exists()
+        code, text, _ = run_main("inspect", "--pool", p, "--no-digest")
+        assert code == 0 and "needs recovery: uncommitted step 3" in text, text
+        assert json.loads(run_main("inspect", "--pool", p, "--no-digest", "--json")[1])["needs_recovery"] is True
+        assert run_main("recover", "--pool", p, "--no-digest")[0] == 0
+        code, out, err = run_main("eval", "--pool", p)
+        assert code == 0 and out.startswith("eval of step 2 on held-out synthetic data"), err
+        assert json.loads(run_main("inspect", "--pool", p, "--no-digest", "--json")[1])["needs_recovery"] is False
+    assert errs["pmem"] == errs["shm"]  # the same words on both tiers
+    assert "inspect/eval do" not in errs["pmem"]
+
+
+def test_readers_refused_by_a_trainers_lock_are_not_told_to_open_read_only(pool, tmp_path):
+    with MemoryPool.open(pool[0]):  # this process is the writer
+        for argv in (["eval"], ["export", "--out", tmp_path / "x.pt"], ["inspect"]):
+            code, _, err = run_main(argv[0], "--pool", pool[0], *argv[1:])
+            assert_clean_error(code, err, 5, "is being trained", "wait until training stops")
+            assert "open read-only" not in err and "inspect/eval do" not in err
