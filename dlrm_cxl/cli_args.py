@@ -139,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed data lines and count them (a bad line once, however many passes read it)")
     t.add_argument("--fresh", action="store_true", help="delete the pool first and start over")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (by default a bar on a terminal; elsewhere, e.g. a log file, a "
+                        "line every 10 s)")
+    t.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the details: how the pool's journal is replayed on demand")
     t.add_argument("--json", action="store_true",
                    help="print the summary as JSON on stdout (the banner and log lines go to stderr)")
 

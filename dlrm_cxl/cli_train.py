@@ -48,7 +48,7 @@ def _cmd_train(args) -> int:
         threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
         fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel,
-        writer=args.writer)
+        writer=args.writer, verbose=args.verbose)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
     if pool_exists and not distributed and not args.json and not args.crash_at:
         from .options import validate_options
@@ -144,7 +144,7 @@ def _cmd_train(args) -> int:
               f"them, {ps['compact_cpu_seconds']:.2f} s of CPU "
               f"({1e3 * ps['compact_cpu_seconds'] / summary.steps_run:.2f} ms/step amortised); "
               f"{ps['bytes_written_back'] / 1e6:.1f} MB of rows written back into the tables")
-    if ps.get("rows_deferred"):
+    if ps.get("rows_deferred") and args.verbose:  # (a detail: -v)
         runs = (f" (and {ps['run_rows_deferred']:,} rows of the row overlay's runs, {ps['run_rows_replayed']:,} of them "
                 f"applied since)") if ps.get("run_rows_deferred") else ""
         print(f"replay on demand: the pool opened in {ps['open_seconds']:.2f} s with "

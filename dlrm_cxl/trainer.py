@@ -289,9 +289,9 @@ class Trainer:
         n = max(o.steps - start, 0)
         bar = None
         if o.progress and n and (self.dist is None or self.dist.rank == 0):
-            from tqdm import tqdm
+            from .progress import progress_bar  # a tqdm bar on a terminal, else a plain line every 10 s
 
-            bar = tqdm(total=o.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True)
+            bar = progress_bar(total=o.steps, initial=start, file=sys.stderr)
         last_pos = self._positions.get(start)
         # Everything built so far (torch, the model, the pool) lives as long as the run: moved
         # out of the cyclic GC's reach, a full collection no longer walks it (measured: one

@@ -163,12 +163,15 @@ def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
     destroy_pool(pool)
 
 
-def test_a_resumed_train_says_how_long_the_open_took_and_how_many_journal_rows_it_left_to_apply(tmp_path):
+def test_a_resumed_train_says_how_long_the_open_took_and_how_many_journal_rows_it_left_to_apply_at_v(tmp_path):
     pool = tmp_path / "pool"
-    code, out, err = run_main("train", "--pool", pool, *TINY, "--tier", "pmem", "--steps", 4)
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--tier", "pmem", "--steps", 4, "-v")
     assert code == 0, err
     assert "replay on demand" not in out  # a new pool: no journal to replay
-    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 6)
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 5)
+    assert code == 0, err
+    assert "replay on demand" not in out + err and "pool opened in" not in out + err  # a detail: -v only
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 6, "--verbose")
     assert code == 0, err
     m = re.search(r"pool opened in \d+ ms; ([\d,]+) journal rows are applied as the steps first read them", out)
     assert m and int(m.group(1).replace(",", "")) > 0, out

@@ -335,3 +335,28 @@ def test_readers_refused_by_a_trainers_lock_are_not_told_to_open_read_only(pool,
             code, _, err = run_main(argv[0], "--pool", pool[0], *argv[1:])
             assert_clean_error(code, err, 5, "is being trained", "wait until training stops")
             assert "open read-only" not in err and "inspect/eval do" not in err
+
+
+# --------------------------------------------------------------------------- output noise
+
+
+def test_torchs_is_fx_tracing_notice_is_not_printed_by_any_command(pool):
+    # the reference: without dlrm_cxl's filter, making a TorchRec KJT prints it (so this test can fail)
+    ref = subprocess.run([sys.executable, "-c",
+                          "import torch; from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as K; "
+                          "K.from_lengths_sync(keys=['a'], values=torch.tensor([1]), lengths=torch.tensor([1]))"],
+                         capture_output=True, text=True, timeout=120)
+    assert "is_fx_tracing" in ref.stderr, ref.stderr
+    for argv in (["eval", "--pool", pool[0]], ["train", "--pool", pool[0], "--steps", 3, "--data", TSV]):
+        r = run_cli(*argv)
+        assert r.returncode == 0, r.stderr
+        assert "is_fx_tracing" not in r.stderr, r.stderr
+
+
+def test_training_progress_off_a_terminal_is_plain_lines_not_a_redrawn_bar(tmp_path):
+    """stderr is a pipe here, as in a log file: no tqdm bar and its carriage returns (a run
+    shorter than the 10 s interval prints no progress line at all)."""
+    r = run_cli("train", "--pool", tmp_path / "p", "--preset", "tiny", "--threads", "1", "--steps", 30)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "step/s" not in r.stderr, repr(r.stderr)
+    assert "done: step 30" in r.stdout
