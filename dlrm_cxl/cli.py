@@ -3,7 +3,8 @@
 Exit codes (``cli_args.EXIT_CODES``, the README's list and ``--help``'s are the same): 0 ok (also:
 `train` with nothing to do, and output cut short by a closed pipe: ``inspect | head`` ends
 quietly); 1 unexpected error; 2 bad arguments or input (also: eval/export of a pool that needs
-`recover` first; a pool directory that train/recover/destroy/import cannot write); 3 not a pool
+`recover` first, on every tier alike; a pool directory that train/recover/destroy/import cannot
+write; `plot` of a pool without metrics); 3 not a pool
 (also: a file given as --pool) / wrong version / volatile pool gone; 4 damage that recovery cannot
 repair (nothing was changed); 5 pool locked by another writer; 6 pool or disk full; 7 malformed
 data; 8 training diverged (NaN/inf loss); 9 the device failed a write (EIO); 10 a background
@@ -356,6 +357,27 @@ def _cmd_data(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from checkpointing.job import is_job
+    from memory_pool.pool import HEADER
+
+    from .metrics import read_metrics
+    from .plot import plot_metrics
+
+    path = Path(args.pool)
+    if not (path / HEADER).exists() and not is_job(path):
+        what = "no such directory" if not path.exists() else f"no {HEADER}"
+        raise PoolFormatError(f"{path} is not a pool ({what})", hint="check --pool: the directory `dlrm-cxl train` "
+                                                                    "trained")
+    drawn = plot_metrics(read_metrics(path), args.out, title=str(path))
+    if args.json:
+        _print_json(drawn)
+        return 0
+    print(f"wrote {drawn['out']}: loss, samples/s and eval AUC over steps {drawn['first_step']}..{drawn['last_step']} "
+          f"({drawn['steps']} steps, {drawn['evals']} evaluations)")
+    return 0
+
+
 # Commands that change the pool, and so write to its directory (its LOCK first of all).
 _WRITERS = ("train", "recover", "destroy", "import")
 _WRITER_LOCKED_HINT = ("wait until the other process ends (a trainer, or an inspect/eval/export reading the pool), "
@@ -417,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     handlers = {"train": _cmd_train, "recover": _cmd_recover, "inspect": _cmd_inspect, "eval": _cmd_eval,
                 "export": _cmd_export, "import": _cmd_import, "data": _cmd_data, "destroy": _cmd_destroy,
-                "gc": _cmd_gc}
+                "gc": _cmd_gc, "plot": _cmd_plot}
     try:
         _check_pool_arg(args)
         code = handlers[args.command](args)

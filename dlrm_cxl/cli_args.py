@@ -21,8 +21,9 @@ EXIT_CODES = {
     0: "ok (also: `train` with nothing to do; output cut short by a closed pipe, e.g. `| head`)",
     1: "unexpected error (a bug: please report it)",
     2: "bad arguments or input: a flag, a --config, a --data/--state/INPUT path that does not exist, a flag "
-       "that would change an existing pool; `eval`/`export` of a pool that needs `recover` first; a pool "
-       "directory that train/recover/destroy/import cannot write (read-only file system, chattr +i, permissions)",
+       "that would change an existing pool; `eval`/`export` of a pool that needs `recover` first (every tier "
+       "alike); a pool directory that train/recover/destroy/import cannot write (read-only file system, chattr +i, "
+       "permissions); `plot` of a pool that holds no metrics",
     3: "not a pool (also: a file given as --pool) / other format version / volatile pool gone",
     4: "damage that recovery cannot repair (nothing was changed)",
     5: "locked by another writer, or a reader (inspect, eval, export) while a trainer changes the pool",
@@ -195,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gc", help="list shm regions; remove those whose pool directory is gone (rm -rf)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     g.add_argument("--json", action="store_true", help="print the regions as JSON")
+
+    pl = sub.add_parser("plot", help="draw a pool's training metrics (loss, samples/s, eval AUC over the steps) "
+                                     "into a PNG")
+    pl.add_argument("--pool", default=DEFAULT_POOL,
+                    help=f"pool (or torchrun job) directory whose metrics.jsonl `train` wrote (default {DEFAULT_POOL})")
+    pl.add_argument("--out", type=Path, default=Path("loss.png"), metavar="FILE.png",
+                    help="the PNG file to write (replaced; default loss.png)")
+    pl.add_argument("--json", action="store_true", help="print what was drawn as JSON")
 
     d = sub.add_parser("data", help="data tools")
     dsub = d.add_subparsers(dest="data_command", required=True)

@@ -50,6 +50,8 @@ PoolNotWritableError      2     train, recover, destroy and import write to the 
                                 make it writable (remount it read-write, `chattr -i`, or fix its
                                 permissions) or copy the pool somewhere writable; inspect, eval
                                 and export read it as it is
+NoMetricsError            2     train the pool (`dlrm-cxl train --pool DIR --steps N`): every
+                                step it trains is recorded in DIR/metrics.jsonl
 ========================  ====  ==============================================================
 
 Outside the hierarchy, ``dlrm-cxl`` also exits 2 for any other ``ValueError`` (a bad option),
@@ -107,6 +109,7 @@ __all__ = [
     "ConfigMismatchError",
     "TrainingDivergedError",
     "PoolNotWritableError",
+    "NoMetricsError",
 ]
 
 
@@ -140,3 +143,13 @@ class PoolNotWritableError(DlrmCxlError):
     default_hint = ("train, recover, destroy and import write to the pool's directory: make it writable "
                     "(remount it read-write, `chattr -i`, or fix its permissions) or copy the pool somewhere "
                     "writable; inspect, eval and export read it as it is")
+
+
+class NoMetricsError(DlrmCxlError, ValueError):
+    """``dlrm-cxl plot`` of a pool that holds no training metrics (no ``metrics.jsonl``, or no
+    step in it: a pool trained before metrics were recorded, made by ``import``, or never
+    trained)."""
+
+    exit_code = 2
+    default_hint = ("train the pool (`dlrm-cxl train --pool DIR --steps N`): every step it trains is recorded "
+                    "in DIR/metrics.jsonl")

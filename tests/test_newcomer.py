@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dlrm_cxl.cli import main  # noqa: F401  (run_main calls it)
@@ -360,3 +361,79 @@ def test_training_progress_off_a_terminal_is_plain_lines_not_a_redrawn_bar(tmp_p
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "step/s" not in r.stderr, repr(r.stderr)
     assert "done: step 30" in r.stdout
+
+
+# --------------------------------------------------------------------------- metrics and plot
+
+
+def _metrics(p: Path) -> list[dict]:
+    return [json.loads(line) for line in (p / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_records_every_step_once_in_metrics_jsonl_across_runs_and_crashes(tmp_path):
+    p = tmp_path / "pool"
+    code, out, err = run_main("train", "--pool", p, *TINY, "--steps", 8, "--eval-every", 4, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    lines = _metrics(p)
+    steps = [d for d in lines if "loss" in d]
+    assert [d["step"] for d in steps] == list(range(1, 9))
+    # the summary's own numbers: mean loss of the last steps, the evaluations, the critical path
+    assert np.mean([d["loss"] for d in steps]) == pytest.approx(summary["final_loss"], rel=1e-12)
+    assert [(d["step"], d["eval"]) for d in lines if "eval" in d] == \
+        [(e["step"], {k: v for k, v in e.items() if k != "step"}) for e in summary["eval"]]
+    assert sum(d["checkpoint_ms"] for d in steps) == pytest.approx(
+        summary["checkpoint"]["critical_ms_per_step"] * summary["checkpoint"]["steps"], rel=1e-9)
+    assert all(d["samples_per_s"] > 0 for d in steps)
+    assert lines[0]["run"]["start_step"] == 0 and lines[0]["run"]["steps"] == 8
+
+    # lines a crashed run left beyond the pool's step (and a torn last line) go when a run resumes
+    with open(p / "metrics.jsonl", "a") as f:
+        for k in range(9, 13):
+            f.write(json.dumps({"step": k, "loss": 99.0, "samples_per_s": 1.0}) + "\n")
+        f.write('{"step": 13, "lo')
+    assert run_main("train", "--pool", p, "--steps", 12)[0] == 0
+    lines = _metrics(p)
+    steps = [d["step"] for d in lines if "loss" in d]
+    assert steps == list(range(1, 13)) and all(d["loss"] != 99.0 for d in lines if "loss" in d)
+    assert [d["run"]["start_step"] for d in lines if "run" in d] == [0, 8]
+
+    # a real crash, then the resume: still each step once
+    r = run_cli("train", "--pool", p, "--steps", 20, "--threads", 1, "--no-progress", "--crash-at", "16:after-update")
+    assert r.returncode == -9, r.stderr
+    assert run_main("train", "--pool", p, "--steps", 20)[0] == 0
+    steps = [d["step"] for d in _metrics(p) if "loss" in d]
+    assert steps == list(range(1, 21)), steps
+
+
+def test_an_shm_pool_records_its_metrics_in_its_pool_directory(tmp_path):
+    p = tmp_path / "shm"
+    assert run_main("train", "--pool", p, *TINY, "--tier", "shm", "--steps", 3)[0] == 0
+    assert [d["step"] for d in _metrics(p) if "loss" in d] == [1, 2, 3]
+
+
+def test_plot_draws_a_png_of_a_real_run_and_refuses_a_pool_without_metrics(tmp_path):
+    from PIL import Image
+
+    p = tmp_path / "pool"
+    assert run_main("train", "--pool", p, *TINY, "--steps", 40, "--eval-every", 10)[0] == 0
+    out = tmp_path / "loss.png"
+    code, text, err = run_main("plot", "--pool", p, "--out", out)
+    assert code == 0, err
+    assert text == f"wrote {out}: loss, samples/s and eval AUC over steps 1..40 (40 steps, 4 evaluations)\n"
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, len(data)
+    with Image.open(out) as im:
+        assert im.size == (900, 900)
+        colors = im.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert len(colors) > 50  # lines, text, antialiasing: not a blank canvas
+    code, js, _ = run_main("plot", "--pool", p, "--out", tmp_path / "b.png", "--json")
+    assert code == 0 and json.loads(js)["steps"] == 40 and json.loads(js)["evals"] == 4
+
+    # a pool with no metrics (made by import; or trained before metrics were recorded)
+    (p / "metrics.jsonl").unlink()
+    code, _, err = run_main("plot", "--pool", p, "--out", tmp_path / "c.png")
+    assert_clean_error(code, err, 2, "holds no training metrics (no metrics.jsonl)", "dlrm-cxl train --pool")
+    assert not (tmp_path / "c.png").exists()
+    code, _, err = run_main("plot", "--pool", tmp_path / "nowhere", "--out", tmp_path / "c.png")
+    assert_clean_error(code, err, 3, "is not a pool")

@@ -1,13 +1,17 @@
 """The small modules behind issue 28's output: the progress lines written off a terminal
-(dlrm_cxl/progress.py). The CLI around them: tests/test_newcomer.py."""
+(dlrm_cxl/progress.py), the metrics file and its reader (dlrm_cxl/metrics.py). The CLI around
+them: tests/test_newcomer.py."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 
 import pytest
 
+from dlrm_cxl.errors import NoMetricsError
+from dlrm_cxl.metrics import METRICS_FILE, MetricsLog, read_metrics, trim_metrics
 from dlrm_cxl.progress import ProgressLines, progress_bar
 
 
@@ -57,3 +61,72 @@ def test_a_run_shorter_than_the_interval_prints_no_progress_and_a_terminal_gets_
     os.close(main)
     with pytest.raises(ValueError):
         ProgressLines(10, interval=0)
+
+
+def _log(d, start, steps=10, **kw) -> MetricsLog:
+    return MetricsLog(d, start_step=start, steps=steps, batch_size=8, tier="pmem", **kw)
+
+
+def test_a_resumed_run_drops_the_steps_it_trains_again_and_a_reader_keeps_the_last_value_per_step(tmp_path):
+    m = _log(tmp_path, 0)
+    for k in range(1, 7):
+        m.step(k, loss=float(k))
+    m.evaluation(4, {"auc": 0.5, "logloss": 0.7, "samples": 8})
+    m.close()
+    path = tmp_path / METRICS_FILE
+    with open(path, "a") as f:
+        f.write('{"step": 7, "loss"')  # a crash mid-line
+    # the pool resumes at step 3: steps 4.. (and the eval after step 4) are trained again
+    m = _log(tmp_path, 3)
+    for k in range(4, 6):
+        m.step(k, loss=10.0 * k)
+    m.close()
+    docs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [d["step"] for d in docs if "step" in d] == [1, 2, 3, 4, 5]
+    assert [d["run"]["start_step"] for d in docs if "run" in d] == [0, 3]
+    got = read_metrics(tmp_path)
+    assert got.steps == [1, 2, 3, 4, 5] and got.loss == [1.0, 2.0, 3.0, 40.0, 50.0] and got.evals == []
+    # a reader alone (a file no run trimmed): the last line of a step wins, bad lines are skipped
+    with open(path, "a") as f:
+        f.write("not json\n" + json.dumps({"step": 5, "loss": 55.0}) + "\n"
+                + json.dumps({"step": 5, "eval": {"auc": 0.9}}) + "\n")
+    got = read_metrics(tmp_path)
+    assert got.loss[-1] == 55.0 and got.evals == [(5, {"auc": 0.9})] and got.checkpoint_ms[-1] is None
+    assert trim_metrics(path, 5) == 1  # (only the bad line) ...
+    assert trim_metrics(path, 5) == 0  # ... and a file with nothing to drop is left as it is
+
+
+def test_the_checkpoint_time_of_a_step_is_the_checkpointers_critical_time_in_it(tmp_path):
+    crit = iter([1.0, 1.25, 1.5, 3.0])
+    clock = FakeClock()
+    m = _log(tmp_path, 0, critical_seconds=lambda: next(crit), clock=clock)
+    clock.t += 0.5
+    m.step(1, 0.7)
+    clock.t += 2
+    m.evaluation(1, {"auc": 0.5})   # the eval's time does not count in step 2's throughput
+    clock.t += 0.25
+    m.step(2, 0.6)
+    clock.t += 1
+    m.step(3, 0.5)
+    m.close()
+    got = read_metrics(tmp_path)
+    assert got.checkpoint_ms == pytest.approx([250.0, 250.0, 1500.0])
+    assert got.samples_per_s == pytest.approx([16.0, 32.0, 8.0])
+
+
+def test_a_directory_without_metrics_is_a_typed_error_with_a_hint(tmp_path):
+    with pytest.raises(NoMetricsError) as ei:
+        read_metrics(tmp_path)
+    assert ei.value.exit_code == 2 and "dlrm-cxl train" in ei.value.hint
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"run": {"start_step": 0}}) + "\n")
+    with pytest.raises(NoMetricsError, match="records no training step"):
+        read_metrics(tmp_path)
+
+
+def test_a_metrics_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path):
+    (tmp_path / METRICS_FILE).mkdir()  # (something in its place: every write fails)
+    warnings = []
+    m = _log(tmp_path, 0, warn=warnings.append)
+    m.step(1, 0.5)
+    m.close()
+    assert len(warnings) == 1 and "no longer recorded" in warnings[0]
