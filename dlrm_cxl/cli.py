@@ -31,6 +31,7 @@ from .errors import (
     PoolLockedError,
     PoolNotWritableError,
 )
+from .footprint import group_tables, pool_footprint
 from .pool_status import needs_recovery
 
 __all__ = ["main", "build_parser", "model_config_from_args", "PRESET_NAMES"]
@@ -47,6 +48,8 @@ def _inspect_pool(path, digest: bool) -> dict:
         info["checkpoint"] = status
         info["step"] = status["committed_step"]
         info["needs_recovery"] = needs_recovery(status)  # (the rule eval, export and train apply)
+        info["embedding_tables"] = group_tables(info["tables"], info["meta"])["embedding"]
+        info["footprint"] = pool_footprint(path, info)
         info["state_digest"] = None
         if digest and status["committed_step"] is not None and not status["needs_recovery"]:
             info["state_digest"] = state_digest(pool, committed_state(pool)[1])
@@ -92,11 +95,8 @@ def _cmd_inspect(args) -> int:
         return 0
     print(f"pool {info['path']}  (id {info['pool_id']}, format v{info['format_version']})")
     print(f"tier {info['tier']}: {info['durability']}")
-    print(f"tables: {len(info['tables'])}, {info['used_bytes'] / 1e6:.1f} MB"
-          + (f" of {info['capacity_bytes'] / 1e6:.1f} MB capacity" if info["capacity_bytes"] else ""))
-    for t in info["tables"]:
-        print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}"
-              + ("  (row cache)" if t["cached"] else ""))
+    _print_tables(info)
+    _print_footprint(info["footprint"])
     ov = info.get("overlay")
     if ov:
         print(f"row overlay: {ov['runs']} runs, {ov['bytes'] / 1e6:.1f} MB, {ov['rows']:,} rows kept out of the "
@@ -113,6 +113,41 @@ def _cmd_inspect(args) -> int:
     if info["state_digest"]:
         print(f"state_digest {info['state_digest']}")
     return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _print_tables(info: dict) -> None:
+    """The tables, each embedding table on one line with its optimizer state."""
+    groups = group_tables(info["tables"], info["meta"])
+    emb, other = groups["embedding"], groups["other"]
+    n_state = sum(len(t["optimizer_state"]) for t in emb)
+    cap = f" of {_mb(info['capacity_bytes'])} capacity" if info["capacity_bytes"] else ""
+    state = ("each with its optimizer state" if n_state and all(t["optimizer_state"] for t in emb) else
+             f"{n_state} with optimizer state" if n_state else "no optimizer state (SGD)")
+    print(f"tables: {len(emb)} embedding tables, {state}"
+          + (f", and {len(other)} other tables" if other else "")
+          + f" ({len(info['tables'])} tables in the pool), {_mb(info['used_bytes'])}{cap}")
+    for t in emb:
+        st = "".join(f"  + {s['name']} {s['num_embeddings']} x {s['embedding_dim']}" for s in t["optimizer_state"])
+        print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}{st}"
+              + ("  (row cache)" if t["cached"] else ""))
+    for t in other:
+        print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}  (other table)"
+              + ("  (row cache)" if t["cached"] else ""))
+
+
+def _print_footprint(fp: dict) -> None:
+    """What the pool takes, by part, on disk and in memory (files on tmpfs: /dev/shm)."""
+    print(f"size: {_mb(fp['disk'])} on disk, {_mb(fp['memory'])} in memory (files on tmpfs, e.g. /dev/shm)")
+    names = {"tables": "tables", "optimizer_state": "optimizer state", "journal": "journal",
+             "runs": "runs (row overlay)", "other": "other"}
+    for part, b in fp["parts"].items():
+        where = ([f"{_mb(b['disk'])} on disk"] if b["disk"] else []) + \
+            ([f"{_mb(b['memory'])} in memory"] if b["memory"] else [])
+        print(f"  {names[part]:<20} {' + '.join(where) or _mb(0)}")
 
 
 def _cmd_eval(args) -> int:

@@ -118,7 +118,10 @@ def test_train_inspect_eval_in_process(trained):
     code, text, _ = run_main("inspect", "--pool", pool)
     assert code == 0
     assert "tier pmem: survives power loss" in text
-    assert "tables: 52," in text and re.search(r"^  cat_25 +1000 x 8 +float32$", text, re.M), text
+    # 26 embedding tables, each on one line with its optimizer state (the pool holds 52 tables)
+    assert "tables: 26 embedding tables, each with its optimizer state (52 tables in the pool)" in text, text
+    assert re.search(r"^  cat_25 +1000 x 8 +float32  \+ cat_25\.adagrad 1000 x 1$", text, re.M), text
+    assert not re.search(r"^  cat_25\.adagrad", text, re.M), text
     assert "step reached (committed): 60" in text
     assert DIGEST_RE.search(text).group(1) == digest
 
@@ -127,8 +130,11 @@ def test_train_inspect_eval_in_process(trained):
     info = json.loads(js)
     assert info["tier"] == "pmem" and "power loss" in info["durability"]
     assert info["step"] == 60 and info["state_digest"] == digest
-    assert len(info["tables"]) == 52
+    assert len(info["tables"]) == 52  # (every table of the pool) ...
     assert {t["name"] for t in info["tables"]} >= {f"cat_{i}" for i in range(26)}
+    # ... and the 26 embedding tables, each with its optimizer state
+    assert [(t["name"], [s["name"] for s in t["optimizer_state"]]) for t in info["embedding_tables"]] == \
+        [(f"cat_{i}", [f"cat_{i}.adagrad"]) for i in range(26)]
 
     # held-out synthetic data of the training distribution: the model has learnt something
     code, js, _ = run_main("eval", "--pool", pool, "--json", "--batches", 8)

@@ -437,3 +437,47 @@ def test_plot_draws_a_png_of_a_real_run_and_refuses_a_pool_without_metrics(tmp_p
     assert not (tmp_path / "c.png").exists()
     code, _, err = run_main("plot", "--pool", tmp_path / "nowhere", "--out", tmp_path / "c.png")
     assert_clean_error(code, err, 3, "is not a pool")
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def _allocated(paths) -> int:
+    return sum(os.stat(f).st_blocks * 512 for f in paths if f.is_file())
+
+
+def test_inspect_shows_the_footprint_by_part_on_disk_and_in_memory(tmp_path):
+    import memory_pool
+
+    for tier in ("pmem", "shm"):
+        p = tmp_path / tier
+        assert run_main("train", "--pool", p, *TINY, "--tier", tier, "--steps", 5)[0] == 0
+        info = json.loads(run_main("inspect", "--pool", p, "--json", "--no-digest")[1])
+        fp = info["footprint"]
+        storage = Path(info["storage_dir"])
+        tables = sorted((storage / "tables").glob("*.bin"))
+        state = [f for f in tables if f.name.endswith(".adagrad.bin")]
+        medium, other = ("memory", "disk") if tier == "shm" else ("disk", "memory")
+        # the reference: the files themselves, measured here
+        assert fp["parts"]["tables"][medium] == _allocated(set(tables) - set(state)) > 0
+        assert fp["parts"]["optimizer_state"][medium] == _allocated(state) > 0
+        assert fp["parts"]["journal"][medium] == _allocated((storage / "journal").rglob("*")) > 0
+        assert fp["parts"]["tables"][other] == fp["parts"]["journal"][other] == 0
+        assert fp["disk"] + fp["memory"] == sum(b["disk"] + b["memory"] for b in fp["parts"].values())
+        if tier == "shm":  # the region in /dev/shm is RAM: all of it is counted, in memory
+            assert str(storage).startswith(str(memory_pool.tiers.shm_root()))
+            assert fp["memory"] == _allocated(storage.rglob("*"))
+            assert fp["parts"]["other"]["disk"] > 0  # pool.json, LOCK, metrics.jsonl in --pool
+        code, text, _ = run_main("inspect", "--pool", p, "--no-digest")
+        assert re.search(r"^size: [\d.]+ MB on disk, [\d.]+ MB in memory", text, re.M), text
+        assert re.search(rf"^  journal +[\d.]+ MB in {medium}$" if tier == "shm" else
+                         r"^  journal +[\d.]+ MB on disk$", text, re.M), text
+
+
+def test_inspect_of_an_sgd_pool_lists_its_tables_without_optimizer_state(tmp_path):
+    p = tmp_path / "sgd"
+    assert run_main("train", "--pool", p, *TINY, "--embedding-optimizer", "sgd", "--steps", 1)[0] == 0
+    code, text, _ = run_main("inspect", "--pool", p, "--no-digest")
+    assert "tables: 26 embedding tables, no optimizer state (SGD) (26 tables in the pool)" in text, text
+    info = json.loads(run_main("inspect", "--pool", p, "--no-digest", "--json")[1])
+    assert all(t["optimizer_state"] == [] for t in info["embedding_tables"]) and len(info["embedding_tables"]) == 26

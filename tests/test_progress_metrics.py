@@ -1,6 +1,6 @@
 """The small modules behind issue 28's output: the progress lines written off a terminal
-(dlrm_cxl/progress.py), the metrics file and its reader (dlrm_cxl/metrics.py). The CLI around
-them: tests/test_newcomer.py."""
+(dlrm_cxl/progress.py), the metrics file and its reader (dlrm_cxl/metrics.py), and the grouping
+of a pool's tables (dlrm_cxl/footprint.py). The CLI around them: tests/test_newcomer.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import pytest
 
 from dlrm_cxl.errors import NoMetricsError
+from dlrm_cxl.footprint import group_tables
 from dlrm_cxl.metrics import METRICS_FILE, MetricsLog, read_metrics, trim_metrics
 from dlrm_cxl.progress import ProgressLines, progress_bar
 
@@ -130,3 +131,19 @@ def test_a_metrics_file_that_cannot_be_written_warns_once_and_training_goes_on(t
     m.step(1, 0.5)
     m.close()
     assert len(warnings) == 1 and "no longer recorded" in warnings[0]
+
+
+def test_each_embedding_table_is_grouped_with_its_optimizer_state():
+    from dlrm_cxl.model import state_table_name  # (the name the trainer gives a state table)
+
+    def t(name, n=4, dim=8):
+        return {"name": name, "num_embeddings": n, "embedding_dim": dim, "bytes": 4 * n * dim}
+
+    tables = [t("a"), t("b"), t(state_table_name("a"), dim=1), t(state_table_name("b"), dim=1), t("extra")]
+    g = group_tables(tables, {"model": {"feature_names": ["a", "b"]}})
+    assert [(e["name"], [s["name"] for s in e["optimizer_state"]], e["bytes_with_state"]) for e in g["embedding"]] \
+        == [("a", [state_table_name("a")], 128 + 16), ("b", [state_table_name("b")], 128 + 16)]
+    assert [e["name"] for e in g["other"]] == ["extra"]
+    # a pool made through the API (no model in its meta): the same grouping by name
+    g = group_tables(tables, {})
+    assert [e["name"] for e in g["embedding"]] == ["a", "b", "extra"] and g["other"] == []
