@@ -240,6 +240,7 @@ def test_the_readme_the_help_and_the_code_list_the_same_exit_codes():
     assert {c.exit_code for c in classes} <= set(EXIT_CODES)
     assert errors.PoolNotWritableError.exit_code == 2 and "PoolNotWritableError" in section
     assert "needs recovery" in section and "NeedsRecoveryError" in section
+    assert errors.NoMetricsError.exit_code == 2 and "NoMetricsError" in section
 
 
 # --------------------------------------------------------------------------- --skip-bad-lines, eval
