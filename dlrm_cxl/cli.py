@@ -3,7 +3,8 @@
 Exit codes (``cli_args.EXIT_CODES``, the README's list and ``--help``'s are the same): 0 ok (also:
 `train` with nothing to do, and output cut short by a closed pipe: ``inspect | head`` ends
 quietly); 1 unexpected error; 2 bad arguments or input (also: eval/export of a pool that needs
-`recover` first; a pool directory that train/recover/destroy/import cannot write); 3 not a pool
+`recover` first, on every tier alike; a pool directory that train/recover/destroy/import cannot
+write; `plot` of a pool without metrics); 3 not a pool
 (also: a file given as --pool) / wrong version / volatile pool gone; 4 damage that recovery cannot
 repair (nothing was changed); 5 pool locked by another writer; 6 pool or disk full; 7 malformed
 data; 8 training diverged (NaN/inf loss); 9 the device failed a write (EIO); 10 a background
@@ -30,6 +31,8 @@ from .errors import (
     PoolLockedError,
     PoolNotWritableError,
 )
+from .footprint import group_tables, pool_footprint
+from .pool_status import needs_recovery
 
 __all__ = ["main", "build_parser", "model_config_from_args", "PRESET_NAMES"]
 
@@ -44,6 +47,9 @@ def _inspect_pool(path, digest: bool) -> dict:
         status = checkpoint_status(pool)
         info["checkpoint"] = status
         info["step"] = status["committed_step"]
+        info["needs_recovery"] = needs_recovery(status)  # (the rule eval, export and train apply)
+        info["embedding_tables"] = group_tables(info["tables"], info["meta"])["embedding"]
+        info["footprint"] = pool_footprint(path, info)
         info["state_digest"] = None
         if digest and status["committed_step"] is not None and not status["needs_recovery"]:
             info["state_digest"] = state_digest(pool, committed_state(pool)[1])
@@ -59,7 +65,7 @@ def _inspect_job(args) -> int:
     steps = [r["step"] for r in ranks]
     committed = None if any(s is None for s in steps) else min(steps)
     # A rank ahead of the others is rolled back at the next start: the job needs recovery.
-    needs = any(r["checkpoint"]["needs_recovery"] for r in ranks) or len(set(steps)) > 1
+    needs = any(r["needs_recovery"] for r in ranks) or len(set(steps)) > 1
     digests = [r["state_digest"] for r in ranks]
     info = {"path": str(args.pool), "world_size": len(ranks), "step": committed, "needs_recovery": needs,
             "state_digest": combine_digests(digests) if all(digests) and not needs else None, "ranks": ranks}
@@ -69,7 +75,7 @@ def _inspect_job(args) -> int:
     print(f"job {info['path']}: {len(ranks)} ranks, step reached (committed by every rank): {committed}")
     for i, r in enumerate(ranks):
         print(f"  rank {i}: tier {r['tier']}, {len(r['tables'])} tables, {r['used_bytes'] / 1e6:.1f} MB, "
-              f"committed step {r['step']}" + ("  (needs recovery)" if r["checkpoint"]["needs_recovery"] else ""))
+              f"committed step {r['step']}" + ("  (needs recovery)" if r["needs_recovery"] else ""))
     if needs:
         print(f"needs recovery: run dlrm-cxl recover --pool {info['path']}")
     if info["state_digest"]:
@@ -89,11 +95,8 @@ def _cmd_inspect(args) -> int:
         return 0
     print(f"pool {info['path']}  (id {info['pool_id']}, format v{info['format_version']})")
     print(f"tier {info['tier']}: {info['durability']}")
-    print(f"tables: {len(info['tables'])}, {info['used_bytes'] / 1e6:.1f} MB"
-          + (f" of {info['capacity_bytes'] / 1e6:.1f} MB capacity" if info["capacity_bytes"] else ""))
-    for t in info["tables"]:
-        print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}"
-              + ("  (row cache)" if t["cached"] else ""))
+    _print_tables(info)
+    _print_footprint(info["footprint"])
     ov = info.get("overlay")
     if ov:
         print(f"row overlay: {ov['runs']} runs, {ov['bytes'] / 1e6:.1f} MB, {ov['rows']:,} rows kept out of the "
@@ -103,16 +106,57 @@ def _cmd_inspect(args) -> int:
         r = status["replay_steps"]
         print(f"committed steps {r[0]}..{r[-1]} after it are replayed from their records by `dlrm-cxl recover` "
               f"(or the next `train`): the recovery window's steps")
-    if status["needs_recovery"]:
-        print(f"needs recovery: uncommitted steps {status['steps_to_roll_back']}"
-              + (f"; damage: {status['damaged']}" if status["damaged"] else "")
-              + ("; trained with --checkpoint none and interrupted" if status["trained_without_undo"] else ""))
+    if info["needs_recovery"]:
+        steps = status["steps_to_roll_back"]
+        why = ([f"uncommitted step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"] if steps else []) \
+            + ([f"{status['torn_bytes']} bytes of unfinished journal records"] if status["torn_bytes"] else []) \
+            + ([f"damage: {'; '.join(status['damaged'])}"] if status["damaged"] else []) \
+            + (["trained with --checkpoint none and interrupted"] if status["trained_without_undo"] else [])
+        print(f"needs recovery: {'; '.join(why)} (`dlrm-cxl recover --pool {info['path']}`; eval and export refuse "
+              f"it until then)")
     if info["state_digest"]:
         print(f"state_digest {info['state_digest']}")
     return 0
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _print_tables(info: dict) -> None:
+    """The tables, each embedding table on one line with its optimizer state."""
+    groups = group_tables(info["tables"], info["meta"])
+    emb, other = groups["embedding"], groups["other"]
+    n_state = sum(len(t["optimizer_state"]) for t in emb)
+    cap = f" of {_mb(info['capacity_bytes'])} capacity" if info["capacity_bytes"] else ""
+    state = ("each with its optimizer state" if n_state and all(t["optimizer_state"] for t in emb) else
+             f"{n_state} with optimizer state" if n_state else "no optimizer state (SGD)")
+    print(f"tables: {len(emb)} embedding tables, {state}"
+          + (f", and {len(other)} other tables" if other else "")
+          + f" ({len(info['tables'])} tables in the pool), {_mb(info['used_bytes'])}{cap}")
+    for t in emb:
+        st = "".join(f"  + {s['name']} {s['num_embeddings']} x {s['embedding_dim']}" for s in t["optimizer_state"])
+        print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}{st}"
+              + ("  (row cache)" if t["cached"] else ""))
+    for t in other:
+        print(f"  {t['name']:<24} {t['num_embeddings']:>10} x {t['embedding_dim']:<4} {t['dtype']}  (other table)"
+              + ("  (row cache)" if t["cached"] else ""))
+
+
+def _print_footprint(fp: dict) -> None:
+    """What the pool takes, by part, on disk and in memory (files on tmpfs: /dev/shm)."""
+    print(f"size: {_mb(fp['disk'])} on disk, {_mb(fp['memory'])} in memory (files on tmpfs, e.g. /dev/shm)")
+    names = {"tables": "tables", "optimizer_state": "optimizer state", "journal": "journal",
+             "runs": "runs (row overlay)", "other": "other"}
+    for part, b in fp["parts"].items():
+        where = ([f"{_mb(b['disk'])} on disk"] if b["disk"] else []) + \
+            ([f"{_mb(b['memory'])} in memory"] if b["memory"] else [])
+        print(f"  {names[part]:<20} {' + '.join(where) or _mb(0)}")
+
+
 def _cmd_eval(args) -> int:
+    from checkpointing import checkpoint_status
+
     from .evaluation import eval_source, evaluate
     from .model_io import open_model
     from .options import data_spec
@@ -123,19 +167,29 @@ def _cmd_eval(args) -> int:
     pool, cfg, model = open_model(args.pool)
     try:
         meta = pool.meta
+        step = checkpoint_status(pool)["committed_step"]
         data = args.data or meta.get("data", "synthetic")
         try:
             source = eval_source(data, data_spec(cfg), seed=meta.get("seed", 0),
                                  zipf_alpha=meta.get("zipf_alpha", 1.05), skip_bad_lines=args.skip_bad_lines)
+            res = evaluate(model, source, args.batches)
         except DataFormatError as exc:
             raise with_cli_hint(exc, cfg) from None
-        res = evaluate(model, source, args.batches)
     finally:
         pool.close()
+    res = {"step": step, "data": str(data), **res}
     if args.json:
         print_json(res)
+        return 0
+    what = "held-out synthetic data" if str(data) == "synthetic" else str(data)
+    if res["whole_data"]:
+        how = "the whole file, each sample once" if Path(data).is_file() else "the whole dataset, each sample once"
+    elif str(data) == "synthetic":
+        how = f"{args.batches} batches"
     else:
-        print(f"eval on {data}: auc {res['auc']:.4f}, logloss {res['logloss']:.4f} over {res['samples']} samples")
+        how = f"the first {args.batches} batches; --batches N reads more"
+    print(f"eval of step {step} on {what}: auc {res['auc']:.4f}, logloss {res['logloss']:.4f} over "
+          f"{res['samples']} samples ({how})")
     return 0
 
 
@@ -333,6 +387,27 @@ def _cmd_data(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from checkpointing.job import is_job
+    from memory_pool.pool import HEADER
+
+    from .metrics import read_metrics
+    from .plot import plot_metrics
+
+    path = Path(args.pool)
+    if not (path / HEADER).exists() and not is_job(path):
+        what = "no such directory" if not path.exists() else f"no {HEADER}"
+        raise PoolFormatError(f"{path} is not a pool ({what})", hint="check --pool: the directory `dlrm-cxl train` "
+                                                                    "trained")
+    drawn = plot_metrics(read_metrics(path), args.out, title=str(path))
+    if args.json:
+        print_json(drawn)
+        return 0
+    print(f"wrote {drawn['out']}: loss, samples/s and eval AUC over steps {drawn['first_step']}..{drawn['last_step']} "
+          f"({drawn['steps']} steps, {drawn['evals']} evaluations)")
+    return 0
+
+
 # Commands that change the pool, and so write to its directory (its LOCK first of all).
 _WRITERS = ("train", "recover", "destroy", "import")
 _WRITER_LOCKED_HINT = ("wait until the other process ends (a trainer, or an inspect/eval/export reading the pool), "
@@ -394,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     handlers = {"train": cmd_train, "recover": cmd_recover, "inspect": _cmd_inspect, "eval": _cmd_eval,
                 "export": _cmd_export, "import": _cmd_import, "data": _cmd_data, "destroy": _cmd_destroy,
-                "gc": _cmd_gc}
+                "gc": _cmd_gc, "plot": _cmd_plot}
     try:
         _check_pool_arg(args)
         code = handlers[args.command](args)

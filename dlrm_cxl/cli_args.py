@@ -21,8 +21,9 @@ EXIT_CODES = {
     0: "ok (also: `train` with nothing to do; output cut short by a closed pipe, e.g. `| head`)",
     1: "unexpected error (a bug: please report it)",
     2: "bad arguments or input: a flag, a --config, a --data/--state/INPUT path that does not exist, a flag "
-       "that would change an existing pool; `eval`/`export` of a pool that needs `recover` first; a pool "
-       "directory that train/recover/destroy/import cannot write (read-only file system, chattr +i, permissions)",
+       "that would change an existing pool; `eval`/`export` of a pool that needs `recover` first (every tier "
+       "alike); a pool directory that train/recover/destroy/import cannot write (read-only file system, chattr +i, "
+       "permissions); `plot` of a pool that holds no metrics",
     3: "not a pool (also: a file given as --pool) / other format version / volatile pool gone",
     4: "damage that recovery cannot repair (nothing was changed)",
     5: "locked by another writer, or a reader (inspect, eval, export) while a trainer changes the pool",
@@ -144,9 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kernel", choices=["fused", "reference"], default="fused",
                    help="embedding kernels: fbgemm's fused TBE in place on the pool (default), or the "
                         "reference path (gather, scatter of gradients, batched optimizer)")
-    t.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed data lines")
+    t.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip malformed data lines and count them (a bad line once, however many passes read it)")
     t.add_argument("--fresh", action="store_true", help="delete the pool first and start over")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (by default a bar on a terminal; elsewhere, e.g. a log file, a "
+                        "line every 10 s)")
+    t.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the details: how the pool's journal is replayed on demand")
     t.add_argument("--json", action="store_true",
                    help="print the summary as JSON on stdout (the banner and log lines go to stderr)")
 
@@ -173,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pool", default=DEFAULT_POOL, help=f"pool directory (default {DEFAULT_POOL})")
     e.add_argument("--data", default=None, help="synthetic | FILE.tsv | DIR.zarr (default: held-out synthetic "
                                                 "data, or the file the pool was trained on)")
-    e.add_argument("--batches", type=int, default=8, metavar="N", help="batches to evaluate (default 8)")
+    e.add_argument("--batches", type=int, default=8, metavar="N",
+                   help="batches to evaluate at most (default 8); a file or zarr dataset is read once from its "
+                        "start, never cycled: a smaller one is evaluated whole, each sample once")
     e.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -200,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gc", help="list shm regions; remove those whose pool directory is gone (rm -rf)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     g.add_argument("--json", action="store_true", help="print the regions as JSON")
+
+    pl = sub.add_parser("plot", help="draw a pool's training metrics (loss, samples/s, eval AUC over the steps) "
+                                     "into a PNG")
+    pl.add_argument("--pool", default=DEFAULT_POOL,
+                    help=f"pool (or torchrun job) directory whose metrics.jsonl `train` wrote (default {DEFAULT_POOL})")
+    pl.add_argument("--out", type=Path, default=Path("loss.png"), metavar="FILE.png",
+                    help="the PNG file to write (replaced; default loss.png)")
+    pl.add_argument("--json", action="store_true", help="print what was drawn as JSON")
 
     d = sub.add_parser("data", help="data tools")
     dsub = d.add_subparsers(dest="data_command", required=True)

@@ -15,7 +15,7 @@ from .cli_args import data_convert_hint, model_config_from_args
 from .errors import ConfigMismatchError, DataFormatError, InvalidConfigError, PoolNotWritableError
 
 __all__ = ["cmd_train", "cmd_recover", "with_cli_hint", "check_data_path", "check_pool_writable", "not_writable_error",
-           "print_json"]
+           "print_json", "describe_skips"]
 
 
 def print_json(obj) -> None:
@@ -53,7 +53,7 @@ def cmd_train(args) -> int:
         threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
         fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel,
-        writer=args.writer)
+        writer=args.writer, verbose=args.verbose)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
     if pool_exists and not distributed and not args.json and not args.crash_at:
         from memory_pool.writer_lock import lock_held
@@ -93,9 +93,10 @@ def cmd_train(args) -> int:
             summary = trainer.run()
             digest = trainer.digest()
             model_digest = trainer.digest(resume=False)
-            # lines --skip-bad-lines skipped while reading (read-ahead included; a line is counted
-            # each epoch it is read)
-            skipped = int(getattr(trainer.source, "skipped", 0) or 0)
+            # what --skip-bad-lines skipped in the data trained on (up to the last step's batch,
+            # not the read-ahead): distinct bad lines, times skipped, passes that skipped one
+            skips = trainer.source.skip_report(upto=trainer._positions.get(trainer.step)) \
+                if hasattr(trainer.source, "skip_report") else None
         finally:
             trainer.close()
     finally:
@@ -108,7 +109,8 @@ def cmd_train(args) -> int:
     d = summary.as_dict()
     d["state_digest"] = digest
     d["model_digest"] = model_digest
-    d.setdefault("skipped_lines", skipped)
+    d.setdefault("skipped_lines", skips["lines"] if skips else 0)  # (distinct bad lines)
+    d.setdefault("bad_lines", skips)
     if args.json:
         print_json(d)
         return 0
@@ -124,8 +126,8 @@ def cmd_train(args) -> int:
         print(f"loss (mean of last 10 steps): {summary.final_loss:.4f}")
     if summary.epochs:
         print(f"data: the file was read {summary.epochs} time(s) from the start (epochs wrapped)")
-    if d["skipped_lines"]:
-        print(f"data: {d['skipped_lines']} malformed line(s) skipped (--skip-bad-lines)")
+    if skips and skips["skips"]:
+        print(f"data: {describe_skips(skips)} (--skip-bad-lines)")
     # The writer's CPU too: on its own thread, but on a machine with no core to spare it is taken
     # from the step about one for one (measured on 2 cores), which the critical path does not show.
     where = "inline on the trainer's thread (in the critical path)" if ck.get("writer") == "inline" else \
@@ -149,7 +151,7 @@ def cmd_train(args) -> int:
               f"them, {ps['compact_cpu_seconds']:.2f} s of CPU "
               f"({1e3 * ps['compact_cpu_seconds'] / summary.steps_run:.2f} ms/step amortised); "
               f"{ps['bytes_written_back'] / 1e6:.1f} MB of rows written back into the tables")
-    if ps.get("rows_deferred"):
+    if ps.get("rows_deferred") and args.verbose:  # (a detail: -v)
         runs = (f" (and {ps['run_rows_deferred']:,} rows of the row overlay's runs, {ps['run_rows_replayed']:,} of them "
                 f"applied since)") if ps.get("run_rows_deferred") else ""
         print(f"replay on demand: the pool opened in {ps['open_seconds']:.2f} s with "
@@ -199,6 +201,18 @@ def cmd_recover(args) -> int:
     if rep.state_digest:
         print(f"state_digest {rep.state_digest}")
     return 0
+
+
+def describe_skips(report: dict) -> str:
+    """What --skip-bad-lines skipped, in words (``report``: CriteoTSVReader.skip_report()): a
+    bad line is counted once, however many passes over the file read it."""
+    n, skips, passes = report["lines"], report["skips"], report["passes"]
+    lines = f"{n} malformed line{'' if n == 1 else 's'}"
+    if passes <= 1:
+        return f"{lines} skipped"
+    if skips == n * passes:
+        return f"{lines}, skipped on each of {passes} passes over the file"
+    return f"{lines}, skipped {skips} times over {passes} passes over the file"
 
 
 def _recorded_data(pool: Path) -> str:

@@ -57,6 +57,8 @@ ReplayMismatchError       11    replay with the settings the steps were trained 
 ReplaySourceError         12    put the data file back as it was and run `dlrm-cxl recover`
                                 again, or `dlrm-cxl recover --no-replay` to drop the recorded
                                 steps and continue from the pool's step
+NoMetricsError            2     train the pool (`dlrm-cxl train --pool DIR --steps N`): every
+                                step it trains is recorded in DIR/metrics.jsonl
 ========================  ====  ==============================================================
 
 Outside the hierarchy, ``dlrm-cxl`` also exits 2 for any other ``ValueError`` (a bad option),
@@ -116,6 +118,7 @@ __all__ = [
     "PoolNotWritableError",
     "ReplayMismatchError",
     "ReplaySourceError",
+    "NoMetricsError",
 ]
 
 
@@ -170,3 +173,13 @@ class ReplaySourceError(DlrmCxlError):
     exit_code = 12
     default_hint = ("put the data file back as it was and run `dlrm-cxl recover` again, or `dlrm-cxl recover "
                     "--no-replay` to drop the recorded steps and continue from the pool's step")
+
+
+class NoMetricsError(DlrmCxlError, ValueError):
+    """``dlrm-cxl plot`` of a pool that holds no training metrics (no ``metrics.jsonl``, or no
+    step in it: a pool trained before metrics were recorded, made by ``import``, or never
+    trained)."""
+
+    exit_code = 2
+    default_hint = ("train the pool (`dlrm-cxl train --pool DIR --steps N`): every step it trains is recorded "
+                    "in DIR/metrics.jsonl")

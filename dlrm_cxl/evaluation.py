@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import DataSpec, SyntheticData, make_data_source
+from .errors import DataFormatError
 from .model import PoolDLRM
 
 __all__ = ["evaluate", "eval_source", "HeldOutSynthetic", "EVAL_SEED_OFFSET"]
@@ -55,18 +56,30 @@ def eval_source(data: str | os.PathLike | None, spec: DataSpec, *, train_data: s
 
 @torch.no_grad()
 def evaluate(model: PoolDLRM, source, batches: int) -> dict:
-    """AUC and log loss over ``batches`` batches of ``source`` (from its start)."""
+    """AUC and log loss over at most ``batches`` batches of ``source``, from its start, each
+    sample once: a file or zarr dataset (a source with ``iter_pass``) is read in one pass and
+    never cycled, so one smaller than ``batches`` batches is evaluated whole (``"whole_data"``:
+    True; ``"samples"`` says how many). Synthetic data has no end: ``batches`` full batches.
+
+    Returns ``{"auc", "logloss", "samples", "whole_data"}``."""
     from torchmetrics.functional.classification import binary_auroc
 
+    one_pass = getattr(source, "iter_pass", None)
+    stream = one_pass() if one_pass is not None else source.iter_batches(None)
     preds, labels = [], []
-    for i, (batch, _) in enumerate(source.iter_batches(None)):
+    whole = one_pass is not None
+    for i, (batch, _) in enumerate(stream):
         if i >= batches:
+            whole = False  # (a batch was left: the data is larger than what was evaluated)
             break
         logits, _ = model(batch.dense, model.plan(batch.sparse))
         preds.append(torch.sigmoid(logits.float().cpu()))
         labels.append(batch.labels)
+    if not preds:
+        raise DataFormatError(f"{getattr(source, 'path', 'the data')}: no valid sample to evaluate",
+                              hint="check --data (every line was malformed and skipped?)")
     p = torch.cat(preds)
     y = torch.cat(labels)
     logloss = float(F.binary_cross_entropy(p.clamp(1e-7, 1 - 1e-7), y))
     auc = float(binary_auroc(p, y.long())) if 0 < float(y.sum()) < y.numel() else float("nan")
-    return {"auc": auc, "logloss": logloss, "samples": int(y.numel())}
+    return {"auc": auc, "logloss": logloss, "samples": int(y.numel()), "whole_data": whole}

@@ -14,6 +14,8 @@ from memory_pool import MemoryPool, read_header
 
 from .errors import InvalidConfigError, NeedsRecoveryError, PoolFormatError
 from .model import PRESETS, ModelConfig, PoolDLRM
+from .pool_status import needs_recovery
+from .provisioning import recovery_reason
 
 __all__ = ["NeedsRecoveryError", "stored_config", "open_model", "load_torchrec_state"]
 
@@ -26,8 +28,9 @@ def stored_config(pool_path) -> ModelConfig | None:
 
 def open_model(pool_path, read_only: bool = True) -> tuple[MemoryPool, ModelConfig, PoolDLRM]:
     """(pool, cfg, model) of a single-process trainer pool, the model's dense part at the
-    committed step. Refuses a job of several ranks and a pool that needs recovery. The caller
-    closes the pool."""
+    committed step. Refuses a job of several ranks and a pool that needs recovery
+    (:func:`dlrm_cxl.pool_status.needs_recovery`: the same on every tier). The caller closes
+    the pool."""
     if is_job(pool_path):
         raise PoolFormatError(f"{pool_path} is a job of several ranks (tables sharded across rank-*/ pools); "
                               f"eval and export read a single-process pool",
@@ -37,12 +40,14 @@ def open_model(pool_path, read_only: bool = True) -> tuple[MemoryPool, ModelConf
         if "model" not in pool.meta:
             raise PoolFormatError(f"{pool_path} holds no model (no trainer state)")
         status = checkpoint_status(pool)
-        if status["needs_recovery"]:
-            # Its rows may hold steps after the committed one: reading it now mixes two states.
+        if needs_recovery(status):
+            # The same rule on every tier (dlrm_cxl.pool_status): on a direct tier its rows may hold
+            # steps after the committed one (reading it now mixes two states); on a journaled tier
+            # the reader would see the committed step, but the pool is just as unfinished.
+            why = "; it was trained with --checkpoint none and interrupted" if status["trained_without_undo"] else ""
             raise NeedsRecoveryError(
-                f"{pool_path} needs recovery (uncommitted steps {status['steps_to_roll_back']}"
-                + ("; it was trained with --checkpoint none and interrupted" if status["trained_without_undo"]
-                   else "") + ")",
+                f"{pool_path} needs recovery ({recovery_reason(status, None)}{why}); eval and export read "
+                f"a pool only once nothing is left to recover (newest committed step: {status['committed_step']})",
                 hint=("start over with `dlrm-cxl train --fresh`" if status["trained_without_undo"] else
                       f"run `dlrm-cxl recover --pool {pool_path}` first (or `dlrm-cxl train`, which recovers)"))
         cfg = ModelConfig.from_dict(pool.meta["model"])

@@ -43,6 +43,7 @@ class TrainOptions:
     zipf_alpha: float = 1.05
     kernel: str = "fused"              # fused (fbgemm TBE in place) | reference (see model.py)
     writer: str = "auto"               # auto | thread | inline: where the journal writer runs (resolve_writer)
+    verbose: bool = False              # -v: also the details (the replay on demand's lines)
 
 
 def validate_options(o: TrainOptions) -> None:

@@ -154,7 +154,7 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
         pool = MemoryPool.open(path, dram_cache_bytes=o.dram_cache_bytes, replay="on-demand")
         try:
             st = pool.stats
-            if st.rows_deferred:
+            if st.rows_deferred and o.verbose:  # (a detail: -v)
                 runs = f" and {st.run_rows_deferred:,} rows of the row overlay's runs" if st.run_rows_deferred else ""
                 log(f"pool opened in {st.open_seconds * 1e3:.0f} ms; {st.rows_deferred - st.run_rows_deferred:,} journal "
                     f"rows{runs} are applied as the steps first read them (replay on demand)")

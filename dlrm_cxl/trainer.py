@@ -29,6 +29,7 @@ from memory_pool import PoolFormatError
 from .data import Prefetcher, make_data_source
 from .errors import ReplayMismatchError, TrainingDivergedError
 from .evaluation import eval_source, evaluate
+from .metrics import open_metrics
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
@@ -334,9 +335,10 @@ class Trainer:
         n = max(o.steps - start, 0)
         bar = None
         if o.progress and n and (self.dist is None or self.dist.rank == 0):
-            from tqdm import tqdm
+            from .progress import progress_bar  # a tqdm bar on a terminal, else a plain line every 10 s
 
-            bar = tqdm(total=o.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True)
+            bar = progress_bar(total=o.steps, initial=start, file=sys.stderr)
+        metrics = open_metrics(self)  # <pool>/metrics.jsonl: a line per step (dlrm_cxl/metrics.py)
         last_pos = self._positions.get(start)
         # Everything built so far (torch, the model, the pool) lives as long as the run: moved
         # out of the cyclic GC's reach, a full collection no longer walks it (measured: one
@@ -351,6 +353,7 @@ class Trainer:
                         self.set_batch_position(k, pos)
                         ts = time.perf_counter()
                         losses.append(self.train_step(k, batch, plan))
+                        metrics.step(k, losses[-1])
                         last_pos = pos
                         self.ckpt.observe_step(time.perf_counter() - ts)
                         if self.after_step is not None:
@@ -364,11 +367,13 @@ class Trainer:
                             bar.update(1)
                         if o.eval_every and k % o.eval_every == 0:
                             evals.append({"step": k, **self.evaluate(o.eval_batches)})
+                            metrics.evaluation(k, evals[-1])
                             self.log(f"eval at step {k}: auc {evals[-1]['auc']:.4f} logloss {evals[-1]['logloss']:.4f}")
             if self.crash is not None:
                 self.crash.await_armed()  # `K:random` kills even when the run outlasts its timer
             self.ckpt.close()
         finally:
+            metrics.close()
             if bar is not None:
                 bar.close()
         dt = time.perf_counter() - t0

@@ -118,7 +118,10 @@ def test_train_inspect_eval_in_process(trained):
     code, text, _ = run_main("inspect", "--pool", pool)
     assert code == 0
     assert "tier pmem: survives power loss" in text
-    assert "tables: 52," in text and re.search(r"^  cat_25 +1000 x 8 +float32$", text, re.M), text
+    # 26 embedding tables, each on one line with its optimizer state (the pool holds 52 tables)
+    assert "tables: 26 embedding tables, each with its optimizer state (52 tables in the pool)" in text, text
+    assert re.search(r"^  cat_25 +1000 x 8 +float32  \+ cat_25\.adagrad 1000 x 1$", text, re.M), text
+    assert not re.search(r"^  cat_25\.adagrad", text, re.M), text
     assert "step reached (committed): 60" in text
     assert DIGEST_RE.search(text).group(1) == digest
 
@@ -127,14 +130,17 @@ def test_train_inspect_eval_in_process(trained):
     info = json.loads(js)
     assert info["tier"] == "pmem" and "power loss" in info["durability"]
     assert info["step"] == 60 and info["state_digest"] == digest
-    assert len(info["tables"]) == 52
+    assert len(info["tables"]) == 52  # (every table of the pool) ...
     assert {t["name"] for t in info["tables"]} >= {f"cat_{i}" for i in range(26)}
+    # ... and the 26 embedding tables, each with its optimizer state
+    assert [(t["name"], [s["name"] for s in t["optimizer_state"]]) for t in info["embedding_tables"]] == \
+        [(f"cat_{i}", [f"cat_{i}.adagrad"]) for i in range(26)]
 
     # held-out synthetic data of the training distribution: the model has learnt something
     code, js, _ = run_main("eval", "--pool", pool, "--json", "--batches", 8)
     assert code == 0
     res = json.loads(js)
-    assert res["samples"] == 8 * 64
+    assert res["samples"] == 8 * 64 and res["step"] == 60 and res["data"] == "synthetic"
     assert math.isfinite(res["logloss"]) and res["logloss"] < 0.69
     assert res["auc"] > 0.6, res
 
@@ -163,12 +169,15 @@ def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
     destroy_pool(pool)
 
 
-def test_a_resumed_train_says_how_long_the_open_took_and_how_many_journal_rows_it_left_to_apply(tmp_path):
+def test_a_resumed_train_says_how_long_the_open_took_and_how_many_journal_rows_it_left_to_apply_at_v(tmp_path):
     pool = tmp_path / "pool"
-    code, out, err = run_main("train", "--pool", pool, *TINY, "--tier", "pmem", "--steps", 4)
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--tier", "pmem", "--steps", 4, "-v")
     assert code == 0, err
     assert "replay on demand" not in out  # a new pool: no journal to replay
-    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 6)
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 5)
+    assert code == 0, err
+    assert "replay on demand" not in out + err and "pool opened in" not in out + err  # a detail: -v only
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 6, "--verbose")
     assert code == 0, err
     m = re.search(r"pool opened in \d+ ms; ([\d,]+) journal rows are applied as the steps first read them", out)
     assert m and int(m.group(1).replace(",", "")) > 0, out
@@ -233,17 +242,20 @@ def test_real_processes_train_inspect_and_crash(tmp_path):
     info = json.loads(p.stdout)
     assert (info["step"], info["state_digest"], info["tier"]) == (3, digest, "pmem")
 
-    # SIGKILL in the middle of step 5 on (emulated) pmem: the step's rows never reached durable
-    # media, so the pool reads as its newest commit at once: export works without a recovery.
-    p = run_cli("train", "--pool", pool, "--steps", 8, "--threads", 1, "--no-progress",
+    # SIGKILL in the middle of step 5 on (emulated) pmem, the journal writer inline (step 4 is
+    # durable before step 5 begins): the step's rows never reached durable media and nothing of
+    # it is in the journal, so the pool is at its newest commit at once: export works without a
+    # recovery (nothing is left for `recover` to do).
+    p = run_cli("train", "--pool", pool, "--steps", 8, "--threads", 1, "--no-progress", "--writer", "inline",
                 "--crash-at", "5:after-update", console_script=True)
     assert p.returncode == -9, (p.returncode, p.stderr)
     assert "crash injection: SIGKILL at step 5 after-update" in p.stderr
     code, out, err = run_main("inspect", "--pool", pool, "--json")
-    assert code == 0 and 3 <= json.loads(out)["step"] < 5 and not json.loads(out)["checkpoint"]["needs_recovery"]
+    assert code == 0 and json.loads(out)["step"] == 4 and not json.loads(out)["checkpoint"]["needs_recovery"]
+    assert not json.loads(out)["needs_recovery"]
     assert run_main("export", "--pool", pool, "--out", tmp_path / "x.pt")[0] == 0
     code, out, _ = run_main("recover", "--pool", pool, "--json")
-    assert code == 0 and 3 <= json.loads(out)["committed_step"] < 5
+    assert code == 0 and json.loads(out)["committed_step"] == 4
     assert re.fullmatch(r"[0-9a-f]{64}", json.loads(out)["state_digest"])
 
     # The same on shm, where step 5 changed rows in place: eval and export refuse the half-done
@@ -320,6 +332,7 @@ def test_export_loads_into_torchrec_dlrm_and_import_recreates_the_tables(trained
     # same weights -> same predictions -> same eval
     a = json.loads(run_main("eval", "--pool", pool, "--json")[1])
     b = json.loads(run_main("eval", "--pool", new, "--json")[1])
+    assert (a.pop("step"), b.pop("step")) == (60, 0)  # (the step each one evaluated)
     assert a == b
 
 

@@ -311,9 +311,59 @@ def test_skip_bad_lines_skips_and_counts(tmp_path):
         assert_batch_is(batch, sample_lines()[:20], seq[6 * k : 6 * k + 6])
     # epoch 0 reads both bad lines; epoch 1 stops after line index 6, past index 4 but not 11
     assert reader.skipped == 3
+    # ... which are 2 distinct bad lines, skipped on 2 passes over the file
+    assert reader.skip_report() == {"lines": 2, "skips": 3, "passes": 2}
     # the same file without skipping fails at line 5
     with pytest.raises(DataFormatError, match=r":5: expected 40"):
         next(CriteoTSVReader(p, spec(6)).iter_batches())
+
+
+def test_skip_report_counts_each_bad_line_once_however_many_passes_read_it(tmp_path):
+    """A reader resumed mid-file (a trainer's position) that then cycles the file: the bad lines
+    are counted once each, the passes that skipped one are counted, and a report up to a batch's
+    position leaves out what was read ahead of it."""
+    lines = sample_lines()[:20]
+    bad = dict(BAD_CASES)
+    for i in (2, 15):
+        lines[i] = "\t".join(bad["short line"][0](lines[i].split("\t")))
+    p = tmp_path / "bad.tsv"
+    p.write_text("\n".join(lines) + "\n")
+    first = CriteoTSVReader(p, spec(6), skip_bad_lines=True).iter_batches()
+    _, pos = next(first)
+    _, pos = next(first)  # 12 good rows read: past line 3, not line 16
+    assert (pos["epoch"], pos["line"]) == (0, 13)
+    reader = CriteoTSVReader(p, spec(6), skip_bad_lines=True)
+    it = reader.iter_batches(pos)
+    positions = [next(it)[1] for _ in range(18)]  # 108 good rows: 6 passes of 18, from mid-file
+    # the reference, counted from the file itself: the (epoch, line) of every bad line read
+    bad_lines = {3, 16}
+    read = [(e, n) for e in range(positions[-1]["epoch"] + 1) for n in range(1, 21)
+            if (0, 13) < (e, n) <= (positions[-1]["epoch"], positions[-1]["line"]) and n in bad_lines]
+    assert reader.skip_report() == {"lines": 2, "skips": len(read), "passes": len({e for e, _ in read})}
+    assert reader.bad_lines == 2 and reader.skipped == len(read) > 2
+    # up to an earlier batch: the later skips are not counted
+    upto = positions[9]
+    read_upto = [(e, n) for e, n in read if (e, n) <= (upto["epoch"], upto["line"])]
+    assert reader.skip_report(upto=upto) == {"lines": 2, "skips": len(read_upto),
+                                             "passes": len({e for e, _ in read_upto})}
+    assert len(read_upto) < len(read)
+
+
+def test_one_pass_reads_each_sample_once_with_a_short_last_batch(tmp_path):
+    """What evaluation reads: the TSV and its zarr conversion in one pass, never cycled."""
+    lines = sample_lines()
+    reader = CriteoTSVReader(SAMPLE, spec(32))
+    batches = [b for b, _ in reader.iter_pass()]
+    assert [b.labels.numel() for b in batches] == [32, 32, 32, 4]
+    for k, b in enumerate(batches):
+        assert_batch_is(b, lines, list(range(32 * k, min(32 * k + 32, 100))))
+    z = tmp_path / "s.zarr"
+    convert_tsv_to_zarr(SAMPLE, z, spec(32), chunk_rows=24)  # (batches span chunks)
+    zb = [b for b, _ in ZarrReader(z, spec(32)).iter_pass()]
+    assert [b.labels.numel() for b in zb] == [32, 32, 32, 4]
+    for a, b in zip(batches, zb):
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.dense, b.dense)
+        assert torch.equal(a.sparse.values(), b.sparse.values())
 
 
 def test_empty_and_all_bad_files_raise_instead_of_looping(tmp_path):

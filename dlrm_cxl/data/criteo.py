@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import deque
 from pathlib import Path
 from typing import Iterator
 
@@ -42,7 +43,18 @@ class CriteoTSVReader:
         self.path = Path(path)
         self.spec = spec
         self.skip_bad_lines = bool(skip_bad_lines)
+        # --skip-bad-lines counts: ``skipped`` every time a bad line was read (once per pass over
+        # it), ``bad_lines`` the distinct bad lines, ``bad_passes`` the passes over the file
+        # (epochs) in which at least one was skipped: one bad line in a file read 15 times is
+        # skipped=15, bad_lines=1, bad_passes=15 (:meth:`skip_report`).
         self.skipped = 0
+        self.bad_lines = 0
+        self.bad_passes = 0
+        self._last_bad_epoch: int | None = None
+        self._first_cycle_end = (1, 0)  # (epoch, line): past it, this iteration reads lines again
+        # the latest skips (epoch, line, first time, first of its pass): what a report up to a
+        # position takes back of the read-ahead past it
+        self._recent: deque[tuple[int, int, bool, bool]] = deque(maxlen=4096)
         self._nd = spec.num_dense
         self._nf = 1 + spec.num_dense + spec.num_sparse
         self._mods = np.asarray(spec.num_embeddings, dtype=np.int64)
@@ -143,12 +155,15 @@ class CriteoTSVReader:
         streams through it; :meth:`iter_batches` wraps it into :class:`Batch` objects."""
         size = self.path.stat().st_size
         epoch, offset, line = self._start(position, size)
+        # A line read at (epoch, line) <= this is read for the first time by this iteration.
+        self._first_cycle_end = (epoch + 1, line)
         lines_in_file: int | None = None  # known once a whole pass from offset 0 has been read
         from_start, pass_lines = offset == 0, 0
         seen_good = False
         bad_total = 0
         buf: list[bytes] = []
         nums: list[int] = []
+        eps: list[int] = []  # the epoch of each line of buf (a batch may span the end of the file)
         with open(self.path, "rb", buffering=1 << 20) as f:
             f.seek(offset)
             while True:
@@ -159,6 +174,7 @@ class CriteoTSVReader:
                     pass_lines += 1
                     buf.append(raw)
                     nums.append(line)
+                    eps.append(epoch)
                     if len(buf) < rows:
                         continue
                 else:  # end of file
@@ -183,7 +199,7 @@ class CriteoTSVReader:
                 try:
                     dense, ids, labels = self._parse_fast(buf)
                 except _BatchParseError:
-                    buf, nums, n_bad = self._drop_bad_lines(buf, nums)
+                    buf, nums, eps, n_bad = self._drop_bad_lines(buf, nums, eps)
                     bad_total += n_bad
                     if buf:
                         seen_good = True
@@ -196,26 +212,54 @@ class CriteoTSVReader:
                     dense, ids, labels = self._parse_fast(buf)
                 seen_good = True
                 yield dense, ids, labels, {"epoch": epoch, "offset": offset, "line": line}
-                buf, nums = [], []
+                buf, nums, eps = [], [], []
                 if at_eof:
                     return
 
-    def _drop_bad_lines(self, buf: list[bytes], nums: list[int]):
+    def _drop_bad_lines(self, buf: list[bytes], nums: list[int], eps: list[int]):
         """Slow path: find the malformed lines of a batch; raise for the first one, or (with
-        skip_bad_lines) drop and count them. Returns (good_lines, their_numbers, n_dropped)."""
-        good, good_nums = [], []
-        for ln, no in zip(buf, nums):
+        skip_bad_lines) drop and count them. ``eps``: the epoch of each line. Returns
+        (good_lines, their_numbers, their_epochs, n_dropped)."""
+        good, good_nums, good_eps = [], [], []
+        for ln, no, ep in zip(buf, nums, eps):
             err = self._line_error(ln)
             if err is None:
                 good.append(ln)
                 good_nums.append(no)
+                good_eps.append(ep)
             elif not self.skip_bad_lines:
                 raise self._error(no, err) from None
+            else:
+                self._count_skip(ep, no)
         if len(good) == len(buf):  # the fast and the strict path disagree: should not happen
             raise DataFormatError(f"{self.path}:{nums[0]}-{nums[-1]}: malformed data in these lines")
-        n_bad = len(buf) - len(good)
-        self.skipped += n_bad
-        return good, good_nums, n_bad
+        return good, good_nums, good_eps, len(buf) - len(good)
+
+    def _count_skip(self, epoch: int, line_no: int) -> None:
+        self.skipped += 1
+        new = (epoch, line_no) <= self._first_cycle_end  # not read before by this iteration
+        self.bad_lines += new
+        new_pass = epoch != self._last_bad_epoch
+        if new_pass:
+            self.bad_passes += 1
+            self._last_bad_epoch = epoch
+        self._recent.append((epoch, line_no, new, new_pass))
+
+    def skip_report(self, upto: dict | None = None) -> dict:
+        """What --skip-bad-lines skipped: ``{"lines": distinct bad lines, "skips": times a bad
+        line was read and skipped, "passes": passes over the file that skipped one}``.
+
+        ``upto``: a position this reader gave (a batch's), to count only the lines up to it and
+        not those read ahead of it (a trainer's prefetch): the report of the data it trained on."""
+        lines, skips, passes = self.bad_lines, self.skipped, self.bad_passes
+        if isinstance(upto, dict) and _nonneg_int(upto, "epoch") and _nonneg_int(upto, "line"):
+            end = (int(upto["epoch"]), int(upto["line"]))
+            for epoch, no, new, new_pass in self._recent:
+                if (epoch, no) > end:
+                    skips -= 1
+                    lines -= new
+                    passes -= new_pass
+        return {"lines": lines, "skips": skips, "passes": passes}
 
     def no_valid_line_error(self, bad: int) -> DataFormatError:
         """The error for a file in which no line is valid (``bad`` malformed lines skipped)."""
@@ -228,6 +272,13 @@ class CriteoTSVReader:
         """Yield ``(batch, position_after_batch)`` forever, starting at ``position`` (None: start)."""
         names = self.spec.feature_names
         for dense, ids, labels, pos in self.iter_arrays(self.spec.batch_size, position, cyclic=True):
+            yield make_batch(dense, ids, labels, names), pos
+
+    def iter_pass(self) -> Iterator[tuple[Batch, dict]]:
+        """One pass over the file from its start (each sample once, the last batch short): what
+        evaluation reads, where training cycles (:meth:`iter_batches`)."""
+        names = self.spec.feature_names
+        for dense, ids, labels, pos in self.iter_arrays(self.spec.batch_size, None, cyclic=False):
             yield make_batch(dense, ids, labels, names), pos
 
     def __iter__(self) -> Iterator[tuple[Batch, dict]]:

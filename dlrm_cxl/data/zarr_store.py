@@ -388,5 +388,22 @@ class ZarrReader:
                 d, i, lab = (np.concatenate([p[j] for p in parts]) for j in range(3))
             yield make_batch(d, i, lab, self.spec.feature_names), {"epoch": epoch, "row": row}
 
+    def iter_pass(self) -> Iterator[tuple[Batch, dict]]:
+        """One pass over the rows from the first (each sample once, the last batch short): what
+        evaluation reads, where training cycles (:meth:`iter_batches`)."""
+        bsz, n = self.spec.batch_size, self.num_rows
+        for lo in range(0, n, bsz):
+            hi = min(lo + bsz, n)
+            parts = []
+            row = lo
+            while row < hi:
+                c = row // self.chunk_rows
+                dense, ids, labels = self._chunk(c)
+                start, stop = row - c * self.chunk_rows, min(hi, (c + 1) * self.chunk_rows) - c * self.chunk_rows
+                parts.append((dense[start:stop], ids[start:stop], labels[start:stop]))
+                row += stop - start
+            d, i, lab = (np.concatenate([p[j] for p in parts]) for j in range(3))
+            yield make_batch(d, i, lab, self.spec.feature_names), {"epoch": 0, "row": hi}
+
     def __iter__(self) -> Iterator[tuple[Batch, dict]]:
         return self.iter_batches()
