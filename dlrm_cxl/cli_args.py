@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dense-every", type=int, default=None,
                    help="recovery point (dense snapshot + persisted rows) every N steps; default 1 (every "
                         "step, on every tier: a crash loses at most the step in flight and the one before it)")
+    t.add_argument("--prefetch-batches", type=int, default=2, metavar="K",
+                   help="batches planned ahead on the prefetch thread; with --dram-cache their rows are read into "
+                        "the cache before their step (default 2)")
     t.add_argument("--writer", choices=list(WRITERS), default="auto",
                    help="where the journal writer runs: its own thread (step k+1 computes while step k becomes "
                         "durable; a crash loses at most 2 steps) or inline on the trainer's thread (a crash loses "

@@ -25,6 +25,7 @@ from memory_pool import PoolFormatError
 from .data import Prefetcher, make_data_source
 from .errors import TrainingDivergedError
 from .evaluation import eval_source, evaluate
+from .lookahead import cache_report
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, default_dense_every, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
@@ -300,7 +301,7 @@ class Trainer:
         gc.freeze()
         try:
             if n:
-                with Prefetcher(self.plan_ahead(self.source.iter_batches(last_pos))) as batches:
+                with Prefetcher(self.plan_ahead(self.source.iter_batches(last_pos)), depth=o.prefetch_batches) as batches:
                     for k in range(start + 1, o.steps + 1):
                         batch, pos, plan = next(batches)
                         self.set_batch_position(k, pos)
@@ -335,7 +336,7 @@ class Trainer:
             checkpoint=_with_device_bytes(self.ckpt.stats.as_dict(), io1 - io0 if io0 >= 0 else -1, n)
             | ({"writer": self.writer} if o.checkpoint == "undo" else {}),
             recovered=self.recovery.as_dict() if self.recovery else None,
-            eval=evals, pool_stats=self.pool.stats.as_dict(),
+            eval=evals, pool_stats={**self.pool.stats.as_dict(), **cache_report(self.model, self.pool)},
             distributed=None if self.dist is None else {
                 "world_size": self.dist.world, "comm_seconds": self.dist.comm_seconds,
                 "coord_seconds": self.dist.coord_seconds})
