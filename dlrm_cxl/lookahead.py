@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from memory_pool.residency import pool_memory
 
-__all__ = ["DEFAULT_PREFETCH_BATCHES", "cache_report", "validate_prefetch_batches"]
+__all__ = ["DEFAULT_PREFETCH_BATCHES", "cache_report", "validate_prefetch_batches", "check_cache_budget"]
 
 # Measured on `small` with a quarter of the tables as the budget (README): 2 and 4 batches of
 # lookahead gave the same step time within noise; more only holds more slots for later batches.
@@ -40,3 +40,16 @@ def cache_report(model, pool) -> dict:
         cache = {**arena.stats.as_dict(), "budget_bytes": arena.cfg.budget_bytes, "arena_bytes": arena.nbytes,
                  "slots": sum(g.slots for g in arena.cfg.groups), "rows": sum(g.rows for g in arena.cfg.groups)}
     return {"cache": cache, "memory": pool_memory(pool, budget_bytes=pool.dram_cache_bytes, cache_bytes=arena_bytes)}
+
+
+def check_cache_budget(budget_bytes: int | None, cfg) -> None:
+    """Refuse, before a pool is made, a ``--dram-cache`` budget that is smaller than the model's
+    tables and cannot hold one batch of them (:class:`~memory_pool.cache_arena.CacheTooSmallError`,
+    exit 2, naming the budget that would do): the split ``bind_cached`` will make."""
+    if budget_bytes is None or budget_bytes >= cfg.table_bytes:
+        return
+    from memory_pool.cache_arena import CacheArenaConfig
+
+    dims = (cfg.embedding_dim, 1) if cfg.embedding_optimizer.kind == "rowwise_adagrad" else (cfg.embedding_dim,)
+    CacheArenaConfig.for_budget(budget_bytes, [(f, n, dims) for f, n in zip(cfg.feature_names, cfg.num_embeddings)],
+                                batch_rows=cfg.batch_size)
