@@ -72,7 +72,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .errors import InvalidConfigError
+from .errors import CacheTooSmallError, InvalidConfigError
 
 __all__ = ["CacheGroupConfig", "CacheArenaConfig", "CacheArena", "CacheMember", "CacheStats",
            "CacheTooSmallError", "MAP_BYTES_PER_ROW", "META_BYTES_PER_SLOT"]
@@ -80,13 +80,6 @@ __all__ = ["CacheGroupConfig", "CacheArenaConfig", "CacheArena", "CacheMember", 
 MAP_BYTES_PER_ROW = 4        # the int32 row -> slot map
 META_BYTES_PER_SLOT = 16     # per slot: its row (int64) and its stamp (int64)
 _NEVER = torch.iinfo(torch.int64).max
-
-
-class CacheTooSmallError(InvalidConfigError):
-    """The DRAM cache cannot hold one batch's rows of a table."""
-
-    exit_code = 2
-    default_hint = "raise --dram-cache (or lower --batch-size)"
 
 
 @dataclass(frozen=True)
