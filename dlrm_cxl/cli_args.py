@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a fixed recovery window of W steps instead of --recovery-budget: the full state is made "
                         "durable once per window, each step in between only a commit record, and a crash replays "
                         "at most W-1 committed steps. 1: a full recovery point every step")
+    t.add_argument("--prefetch-batches", type=int, default=2, metavar="K",
+                   help="batches planned ahead on the prefetch thread; with --dram-cache their rows are read into "
+                        "the cache before their step (default 2)")
     t.add_argument("--writer", choices=list(WRITERS), default="auto",
                    help="where the journal writer runs: its own thread (step k+1 computes while step k becomes "
                         "durable; a crash loses at most 2 steps) or inline on the trainer's thread (a crash loses "

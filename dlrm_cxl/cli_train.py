@@ -53,7 +53,7 @@ def cmd_train(args) -> int:
         threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
         fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel,
-        writer=args.writer, verbose=args.verbose)
+        writer=args.writer, verbose=args.verbose, prefetch_batches=args.prefetch_batches)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
     if pool_exists and not distributed and not args.json and not args.crash_at:
         from memory_pool.writer_lock import lock_held
@@ -157,10 +157,28 @@ def cmd_train(args) -> int:
         print(f"replay on demand: the pool opened in {ps['open_seconds']:.2f} s with "
               f"{ps['rows_deferred'] - ps.get('run_rows_deferred', 0):,} journal rows "
               f"left to apply; {ps['rows_replayed']:,} applied since, as steps first read them or at a compaction{runs}")
+    _print_cache(ps, summary.steps_run)
     for ev in summary.eval:
         print(f"eval at step {ev['step']}: auc {ev['auc']:.4f}, logloss {ev['logloss']:.4f}")
     print(f"state_digest {digest}")
     return 0
+
+
+def _print_cache(ps: dict, steps: int) -> None:
+    """The DRAM cache's line (dlrm_cxl/lookahead.py) and the memory line of a train summary."""
+    c = ps.get("cache")
+    if c and steps:
+        hr = "n/a" if c["hit_rate"] is None else f"{c['hit_rate']:.1%}"
+        print(f"dram cache: {c['arena_bytes'] / 1e6:.1f} MB for {c['slots']:,} of {c['rows']:,} rows, hit rate {hr}, "
+              f"{c['rows_prefetched']:,} rows prefetched; steps waited {c['wait_ms_per_step']:.2f} ms/step for rows "
+              f"and spent {c['write_ms_per_step']:.2f} ms/step writing them through; "
+              f"{c['bytes_read_home_per_step'] / 1e6:.2f} MB/step read from the home")
+    m = ps.get("memory")
+    if m and m.get("vm_rss") is not None:
+        budget = f" against a DRAM budget of {m['budget_bytes'] / 1e6:.1f} MB" if m.get("budget_bytes") else ""
+        dev = f"; the shm region (the device) holds {m['shm_device_bytes'] / 1e6:.1f} MB" if m.get("shm_device_bytes") else ""
+        print(f"memory: {m['vm_rss'] / 1e6:.1f} MB resident ({m.get('rss_anon', 0) / 1e6:.1f} MB anonymous), "
+              f"{m['pool_page_cache_bytes'] / 1e6:.1f} MB of pool files in the page cache{budget}{dev}")
 
 
 def cmd_recover(args) -> int:

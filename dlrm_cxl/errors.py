@@ -36,6 +36,7 @@ InvalidValuesError        2     values must be a [len(ids), embedding_dim] tenso
                                 dtype
 InvalidConfigError        2     check the arguments against the documentation of the call (or
                                 --help)
+CacheTooSmallError        2     raise --dram-cache (or lower --batch-size)
 RecoveryError             4     the undo log or a snapshot is damaged; restore the pool from a
                                 copy (nothing was changed)
 NeedsRecoveryError        2     run `dlrm-cxl recover --pool DIR` first (or `dlrm-cxl train`,
@@ -71,6 +72,7 @@ quietly), 130 when interrupted and 1 for anything unexpected.
 from __future__ import annotations
 
 from memory_pool.errors import (
+    CacheTooSmallError,
     CompactionError,
     DlrmCxlError,
     InvalidConfigError,
@@ -109,6 +111,7 @@ __all__ = [
     "InvalidIdsError",
     "InvalidValuesError",
     "InvalidConfigError",
+    "CacheTooSmallError",
     "RecoveryError",
     "NeedsRecoveryError",
     # data, configuration, training (this module)

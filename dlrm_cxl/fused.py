@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Sequence
+from typing import Callable, Sequence
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
@@ -53,7 +53,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from memory_pool import InvalidIdsError
 from memory_pool.validation import is_int
 
-__all__ = ["FusedTableSpec", "FusedEmbeddingBags"]
+__all__ = ["FusedTableSpec", "FusedEmbeddingBags", "CachedFusedEmbeddingBags", "bind_cached"]
 
 OPTIMIZERS = ("rowwise_adagrad", "sgd")
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -242,13 +242,18 @@ class FusedEmbeddingBags:
                                       f"at position {i} of indices")
         return indices, offsets
 
-    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor,
+                 after_update: Callable[[], None] | None = None) -> torch.Tensor:
         """Pooled (sum) embeddings ``[B, sum(dims)]`` of the bags ``offsets`` cuts ``indices``
         into (key-major, as ``KeyedJaggedTensor.values()/offsets()``). The result requires grad;
-        its backward applies the optimizer to the batch's rows of ``weights``/``state`` in place."""
+        its backward applies the optimizer to the batch's rows of ``weights``/``state`` in place.
+        ``after_update``: called by that backward right after the rows have changed (the
+        kernel's autograd node feeds a node of ours, whose backward runs after it)."""
         indices, offsets = self._check_inputs(indices, offsets)
+        placeholder = self._placeholder if after_update is None else _AfterUpdate.apply(self._placeholder,
+                                                                                         after_update)
         common = CommonArgs(
-            placeholder_autograd_tensor=self._placeholder,
+            placeholder_autograd_tensor=placeholder,
             dev_weights=self._empty_f32,
             host_weights=self.weights,
             uvm_weights=self._empty_f32,
@@ -279,3 +284,89 @@ class FusedEmbeddingBags:
         if self.optimizer == "sgd":
             return lookup_sgd.invoke(common, self._optimizer_args)
         return lookup_rowwise_adagrad.invoke(common, self._optimizer_args, self._momentum1, mixed_D=self._mixed_D)
+
+
+class _AfterUpdate(torch.autograd.Function):
+    """Identity on the kernel's placeholder input: its backward runs once the kernel's backward
+    (the fused optimizer update) has run, and calls ``fn``."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
+class CachedFusedEmbeddingBags:
+    """fbgemm's fused kernels on a DRAM cache arena (:mod:`memory_pool.cache_arena`) instead of
+    the pool's arena: for tables whose home is larger than the DRAM budget.
+
+    :meth:`prefetch` (the prefetch thread, in the order the batches will run) reads a planned
+    batch's rows into the cache ahead of its step; :meth:`__call__` makes the batch's rows
+    resident, translates its ids to slot ids and runs the fused forward on the slots; the fused
+    backward updates the slots in place, and then (``after_update``) the rows are written through
+    to their home, before the trainer commits the step. Bit-identical to
+    :class:`FusedEmbeddingBags` on the pool's arena: the same rows, in the same order, through
+    the same kernels."""
+
+    def __init__(self, arena, *, optimizer: str, lr: float, eps: float = 1e-8):
+        self.arena = arena
+        groups = arena.cfg.groups
+        adagrad = optimizer == "rowwise_adagrad"
+        specs = [FusedTableSpec(g.slots, g.dims[0], arena.offset(0, i), arena.offset(1, i) if adagrad else None)
+                 for i, g in enumerate(groups)]
+        self.bags = FusedEmbeddingBags(specs, arena.flat[0], optimizer=optimizer, lr=lr, eps=eps,
+                                       state=arena.flat[1] if adagrad else None)
+        self.dims = self.bags.dims
+
+    def __repr__(self) -> str:
+        return f"CachedFusedEmbeddingBags({len(self.arena.groups)} tables, {self.arena.nbytes:,} bytes of DRAM)"
+
+    def prefetch(self, rows) -> int:
+        """A planned batch's distinct rows per table: returns its sequence number."""
+        return self.arena.prefetch(rows)
+
+    def __call__(self, values: torch.Tensor, offsets: torch.Tensor, rows, seq: int | None = None) -> torch.Tensor:
+        """Pooled embeddings of a batch (``values``/``offsets`` as the KJT's; ``rows``: its
+        sorted distinct rows per table; ``seq``: what :meth:`prefetch` returned, if it was)."""
+        T = len(self.arena.groups)
+        B = (offsets.numel() - 1) // T
+        lengths = (offsets[B::B] - offsets[:-1:B]).tolist()
+        seq, slots = self.arena.begin(rows, values, lengths, seq)
+        arena = self.arena
+        return self.bags(slots, offsets, after_update=lambda: arena.end(rows, seq))
+
+
+def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
+                batch_size: int | None = None) -> CachedFusedEmbeddingBags:
+    """A :class:`CachedFusedEmbeddingBags` for ``tables`` (and their optimizer-state tables
+    ``states``, None for SGD) of ``pool``, with the pool's DRAM budget (``dram_cache_bytes``)
+    split over them; the tables serve their own reads and writes through it from now on
+    (``Table.use_cache``). ``batch_size``: refuse a budget too small for one batch of one id
+    per sample and table (:class:`~memory_pool.cache_arena.CacheTooSmallError`)."""
+    from memory_pool.cache_arena import CacheArena, CacheArenaConfig
+
+    def home(t):
+        if t.arena_offset is None:
+            return t.view()
+        flat = pool.arena_tensor(torch.float32, on_demand=True)  # (rows are readied before reads: ready below)
+        a = t.arena_offset // 4
+        return flat[a:a + t.num_embeddings * t.embedding_dim].view(t.num_embeddings, t.embedding_dim)
+
+    members = [[t] + ([s] if s is not None else []) for t, s in zip(tables, states)]
+    spec = [(t.name, t.num_embeddings, tuple(m.embedding_dim for m in ms)) for t, ms in zip(tables, members)]
+    cfg = CacheArenaConfig.for_budget(int(pool.dram_cache_bytes or 0), spec, batch_rows=batch_size or 1)
+
+    def ready(g: int, ids: torch.Tensor) -> None:
+        if pool.rows_pending:
+            pool.ready([(m, ids) for m in members[g]])
+
+    arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready)
+    for g, ms in enumerate(members):
+        for i, m in enumerate(ms):
+            m.use_cache(arena.member(g, i))
+    return CachedFusedEmbeddingBags(arena, optimizer=optimizer, lr=lr, eps=eps)

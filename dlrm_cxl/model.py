@@ -175,6 +175,7 @@ class SparsePlan:
     inverse: list[torch.Tensor]    # [n_f] index into rows (reference path only)
     values: torch.Tensor | None = None   # fused path: the KJT's ids (int64) and bag offsets
     kjt_offsets: torch.Tensor | None = None
+    cache_seq: int | None = None         # fused path on a DRAM cache: the batch's number (prefetch)
 
 
 # --------------------------------------------------------------------------- model
@@ -208,6 +209,7 @@ class PoolDLRM(nn.Module):
         self.inter_arch.to(device)
         self.dense_device = device
         self.fused = None  # set by bind_fused()
+        self.cache_bags = None  # bind_fused(): the fused kernels on a DRAM cache arena (dlrm_cxl/fused.py)
         base = [0]
         for t in self.tables:
             base.append(base[-1] + t.num_embeddings)
@@ -262,7 +264,7 @@ class PoolDLRM(nn.Module):
         if fused:
             plan.values = values
             plan.kjt_offsets = kjt.offsets().to(torch.int64)
-            if not rows:
+            if not rows and self.cache_bags is None:
                 plan.rows = [torch.empty(0, dtype=torch.int64) for _ in self.features]
                 return plan
             # Distinct rows of every table with one sort: shift each table's ids by the rows of
@@ -275,6 +277,8 @@ class PoolDLRM(nn.Module):
             uniq = torch.unique(shifted, sorted=True).to(torch.int64)
             cut = torch.searchsorted(uniq, base).tolist()
             plan.rows = [uniq[cut[f]:cut[f + 1]] - base[f] for f in range(len(self.features))]
+            if self.cache_bags is not None:  # (lookahead: the rows read into the DRAM cache now)
+                plan.cache_seq = self.cache_bags.prefetch(plan.rows)
             return plan
         lengths = kjt.lengths().to(torch.int64)
         for f in self.features:
@@ -295,19 +299,26 @@ class PoolDLRM(nn.Module):
 
     # -- the fused path: fbgemm's table-batched kernels in place on the pool's arena
     def bind_fused(self, pool: MemoryPool) -> bool:
-        """Bind fbgemm's fused kernels to the pool's memory; False (reference path) when a
-        table is served through a DRAM row cache, is not float32, or is not in the arena, or
-        when this model holds a subset of the features (several ranks)."""
+        """Bind fbgemm's fused kernels to the pool's memory -- to a DRAM cache arena in front of
+        it when a table is served through a DRAM row cache (dlrm_cxl/fused.py: bind_cached);
+        False (reference path) when a table is not float32 or not in the arena, or when this
+        model holds a subset of the features (several ranks)."""
         from .fused import FusedEmbeddingBags, FusedTableSpec
 
         eo = self.cfg.embedding_optimizer
         states = [pool.table(state_table_name(t.name)) if eo.kind == "rowwise_adagrad" else None
                   for t in self.tables]
         every = self.tables + [s for s in states if s is not None]
-        if (self.features != list(range(len(self.cfg.feature_names))) or any(t.cached for t in every)
+        if (self.features != list(range(len(self.cfg.feature_names)))
                 or any(t.dtype != torch.float32 or t.arena_offset is None for t in every)):
             self.fused = None
             return False
+        if any(t.cached for t in every):
+            from .fused import bind_cached
+
+            self.fused = self.cache_bags = bind_cached(pool, self.tables, states, optimizer=eo.kind, lr=eo.lr,
+                                                       eps=eo.eps, batch_size=self.cfg.batch_size)
+            return True
         specs = [FusedTableSpec(t.num_embeddings, t.embedding_dim, t.arena_offset // 4,
                                 s.arena_offset // 4 if s is not None else None) for t, s in zip(self.tables, states)]
         # The kernels read the arena directly: forward_fused makes each batch's rows ready first
@@ -322,6 +333,10 @@ class PoolDLRM(nn.Module):
     def forward_fused(self, dense: torch.Tensor, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits [B], pooled [B, F*D] from the fused kernel). ``loss.backward()`` then
         updates the batch's rows and their optimizer state in the pool, in place."""
+        if self.cache_bags is not None:  # (it readies the rows it reads from the pool itself)
+            pooled = self.cache_bags(plan.values, plan.kjt_offsets, plan.rows, plan.cache_seq)
+            sparse = pooled.to(self.dense_device).view(plan.batch_size, len(self.features), self.cfg.embedding_dim)
+            return self.forward_pooled(dense, sparse), pooled
         pool = self._fused_pool
         if pool.rows_pending:
             if plan.values.numel() and not any(r.numel() for r in plan.rows):

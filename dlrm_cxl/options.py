@@ -44,6 +44,7 @@ class TrainOptions:
     kernel: str = "fused"              # fused (fbgemm TBE in place) | reference (see model.py)
     writer: str = "auto"               # auto | thread | inline: where the journal writer runs (resolve_writer)
     verbose: bool = False              # -v: also the details (the replay on demand's lines)
+    prefetch_batches: int = 2          # batches planned (and, with a DRAM cache, read) ahead: dlrm_cxl/lookahead.py
 
 
 def validate_options(o: TrainOptions) -> None:
@@ -67,6 +68,9 @@ def validate_options(o: TrainOptions) -> None:
         raise ValueError(f"--threads must be >= 1, got {o.threads}")
     if o.writer not in WRITERS:
         raise ValueError(f"--writer must be one of {', '.join(WRITERS)}, got {o.writer!r}")
+    from .lookahead import validate_prefetch_batches
+
+    validate_prefetch_batches(o.prefetch_batches)
 
 
 @dataclass

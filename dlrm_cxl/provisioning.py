@@ -60,6 +60,10 @@ def create_trainer_pool(o: TrainOptions, cfg: ModelConfig, *, path: Path | None 
     budget); on any failure nothing is left at ``path``. It holds no checkpoint yet: the caller
     makes step 0 the first recovery point."""
     path = Path(o.pool) if path is None else Path(path)
+    if features is None and o.kernel == "fused":
+        from .lookahead import check_cache_budget
+
+        check_cache_budget(o.dram_cache_bytes, cfg)  # (a budget too small for one batch: before anything is made)
     pool = MemoryPool.create(path, tier=o.tier, capacity_bytes=o.capacity_bytes)
     try:
         create_model_tables(pool, cfg, o.seed, features)

@@ -30,6 +30,7 @@ from .data import Prefetcher, make_data_source
 from .errors import ReplayMismatchError, TrainingDivergedError
 from .evaluation import eval_source, evaluate
 from .metrics import open_metrics
+from .lookahead import cache_report
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
@@ -347,7 +348,7 @@ class Trainer:
         gc.freeze()
         try:
             if n:
-                with Prefetcher(self.plan_ahead(self.source.iter_batches(last_pos))) as batches:
+                with Prefetcher(self.plan_ahead(self.source.iter_batches(last_pos)), depth=o.prefetch_batches) as batches:
                     for k in range(start + 1, o.steps + 1):
                         batch, pos, plan = next(batches)
                         self.set_batch_position(k, pos)
@@ -389,7 +390,7 @@ class Trainer:
             | ({"writer": self.writer} if o.checkpoint == "undo" else {}),
             recovered=self.recovery.as_dict() if self.recovery else None,
             replayed_steps=self.replayed, window=self.ckpt.window,
-            eval=evals, pool_stats=self.pool.stats.as_dict(),
+            eval=evals, pool_stats={**self.pool.stats.as_dict(), **cache_report(self.model, self.pool)},
             distributed=None if self.dist is None else {
                 "world_size": self.dist.world, "comm_seconds": self.dist.comm_seconds,
                 "coord_seconds": self.dist.coord_seconds})

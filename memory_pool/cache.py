@@ -88,6 +88,10 @@ class RowCache:
         self.slots[victims] = self.home.index_select(0, rows)
         self.stamp[victims] = self.tick
 
+    def reset(self, home: torch.Tensor) -> "RowCache":
+        """A new, empty cache of the same capacity over ``home`` (the table was replaced whole)."""
+        return RowCache(home, self.capacity)
+
     def write_through(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Refresh cached copies of rows that were just written to home."""
         slot = self.row_slot[ids].to(torch.int64)

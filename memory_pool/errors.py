@@ -34,6 +34,7 @@ __all__ = [
     "NeedsRecoveryError",
     "PoolExistsError",
     "InvalidConfigError",
+    "CacheTooSmallError",
 ]
 
 
@@ -173,3 +174,11 @@ class InvalidConfigError(DlrmCxlError, ValueError):
 
     exit_code = 2
     default_hint = "check the arguments against the documentation of the call (or --help)"
+
+
+class CacheTooSmallError(InvalidConfigError):
+    """The DRAM cache (``--dram-cache``) cannot hold one batch's rows of a table
+    (memory_pool/cache_arena.py)."""
+
+    exit_code = 2
+    default_hint = "raise --dram-cache (or lower --batch-size)"

@@ -227,6 +227,11 @@ class Table:
         if self._cache is not None:
             self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
 
+    def use_cache(self, cache) -> None:
+        """Serve the rows through ``cache`` from now on (a ``memory_pool.cache_arena.CacheMember``:
+        the DRAM cache arena fbgemm's fused kernels run on), instead of the table's own row cache."""
+        self._cache = cache
+
     def mark_dirty(self, ids: torch.Tensor) -> None:
         """Note rows changed in place by a trusted writer (e.g. a fused kernel): the next
         ``persist()`` covers them."""
@@ -337,4 +342,4 @@ class Table:
             elif self._host.real_pmem:
                 region.flush_rows(torch.arange(self.num_embeddings))
         if self._cache is not None:
-            self._cache = RowCache(region.tensor, self._cache.capacity)
+            self._cache = self._cache.reset(region.tensor)  # (nothing it cached is valid now)

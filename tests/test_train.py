@@ -316,12 +316,12 @@ def test_other_preset_is_a_config_mismatch_and_fresh_starts_over(tmp_path):
 
 
 def test_dram_cache_smaller_than_the_tables_gives_the_same_digest(tmp_path):
-    # tiny holds ~640 kB of tables; the budget is split in proportion to table size, so cat_0
-    # (1000 x 8 fp32 = 32 kB) gets a cache of a couple of hundred rows; no table fits whole.
-    # Cached tables train on the reference kernels (see model.py), so the uncached run to
-    # compare with does too: the cache itself must change nothing.
+    # tiny holds ~640 kB of tables; the budget is split over the tables (memory_pool/cache_arena.py),
+    # so cat_0 (1000 x 8 fp32 = 32 kB) gets a cache of a couple of hundred rows; no table fits
+    # whole. Cached tables train on fbgemm's fused kernels over the DRAM cache arena: the cache
+    # itself must change nothing (bit for bit the uncached fused path).
     budget = 300_000
-    _, plain = train(tmp_path / "plain", 10, kernel="reference")
+    _, plain = train(tmp_path / "plain", 10)
     train(tmp_path / "cached", 5, dram_cache_bytes=budget)
     _, cached = train(tmp_path / "cached", 10, dram_cache_bytes=budget)  # reopened with a cache
     assert cached == plain

@@ -1,0 +1,176 @@
+"""The DRAM cache arena that fbgemm's fused kernels run on (memory_pool/cache_arena.py,
+dlrm_cxl/fused.py: bind_cached): real pools, real mappings, compared with the uncached fused
+path and with uninterrupted runs (no mocks of the pool)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlrm_cxl.model import PRESETS, state_table_name
+from dlrm_cxl.options import TrainOptions
+from dlrm_cxl.trainer import Trainer
+from memory_pool import MemoryPool
+from memory_pool.cache_arena import CacheArena, CacheArenaConfig, CacheTooSmallError
+from test_recovery import digest_of, killed
+
+TINY = PRESETS["tiny"]
+SPEC = [(f, n, (TINY.embedding_dim, 1)) for f, n in zip(TINY.feature_names, TINY.num_embeddings)]
+# One batch of every table (64 rows each) and a fifth of the rest: most steps evict rows.
+MIN = CacheArenaConfig.min_budget(SPEC, TINY.batch_size)
+BUDGET = MIN + (TINY.table_bytes - MIN) // 5
+N = 50
+
+
+def train(pool, steps, **kw):
+    kw.setdefault("tier", "shm")
+    t = Trainer(TrainOptions(pool=str(pool), steps=steps, threads=1, progress=False, **kw), TINY, log=lambda s: None)
+    try:
+        summary = t.run()
+        return t.digest(), summary, t
+    finally:
+        t.close()
+
+
+@pytest.fixture(scope="module")
+def uncached(root):
+    """The uncached fused path: N steps, and the digest at N // 2 (for resumed runs)."""
+    half, _, _ = train(root / "plain-half", N // 2)
+    full, _, _ = train(root / "plain", N)
+    return {N // 2: half, N: full}
+
+
+# --------------------------------------------------------------------------- the arena itself
+
+
+def two_tables(path, tier="shm"):
+    pool = MemoryPool.create(path, tier=tier)
+    a = pool.create_table("a", 100, 4, init="uniform", seed=1)
+    b = pool.create_table("b", 50, 4, init="uniform", seed=2)
+    sa = pool.create_table("a.adagrad", 100, 1, init="uniform", seed=3)
+    sb = pool.create_table("b.adagrad", 50, 1, init="uniform", seed=4)
+    return pool, [[a, sa], [b, sb]]
+
+
+def arena_for(members, slots):
+    cfg = CacheArenaConfig(tuple(
+        __import__("memory_pool.cache_arena", fromlist=["x"]).CacheGroupConfig(ms[0].name, ms[0].num_embeddings,
+                                                                               (4, 1), s)
+        for ms, s in zip(members, slots)), budget_bytes=0)
+    return CacheArena(cfg, [[m.view() for m in ms] for ms in members])
+
+
+def test_ids_are_remapped_to_slots_holding_their_rows_duplicates_and_across_tables(tmp_path):
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (10, 10))
+    ids_a = torch.tensor([7, 3, 7, 7, 99])          # duplicates
+    ids_b = torch.tensor([3, 7, 49])                # the same ids in another table
+    rows = [torch.unique(ids_a), torch.unique(ids_b)]
+    seq, slots = arena.begin(rows, torch.cat([ids_a, ids_b]), [5, 3])
+    sa, sb = slots[:5], slots[5:]
+    assert sa[0] == sa[2] == sa[3] and len(set(sa.tolist())) == 3       # one slot per distinct row
+    for g, (ids, s) in enumerate(((ids_a, sa), (ids_b, sb))):
+        w, m = arena.groups[g].slots
+        assert torch.equal(w[s], members[g][0].view()[ids])               # weights ...
+        assert torch.equal(m[s], members[g][1].view()[ids])               # ... and their optimizer state
+    # the kernels see group g at its offset: table a's slot of id 3 is not table b's
+    flat = arena.flat[0].view(-1, 4)
+    assert torch.equal(flat[sa[1]], members[0][0].view()[3]) and torch.equal(flat[10 + sb[0]], members[1][0].view()[3])
+    arena.end(rows, seq)
+    pool.close()
+
+
+def test_a_batch_needing_more_rows_than_the_cache_holds_is_refused_and_changes_nothing(tmp_path):
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (4, 4))
+    before = arena._map.clone()
+    ids = torch.arange(5)
+    with pytest.raises(CacheTooSmallError, match="5 distinct rows of table 'a'.*4 slots") as e:
+        arena.begin([ids, torch.tensor([0])], torch.cat([ids, torch.tensor([0])]), [5, 1])
+    assert "--dram-cache" in e.value.hint and e.value.exit_code == 2
+    assert torch.equal(arena._map, before)
+    pool.close()
+
+
+def test_rows_updated_then_evicted_are_read_back_updated_and_pool_writes_refresh_slots(tmp_path):
+    """Write-through: a row changed in its slot reaches the home at the step's end, so an
+    eviction writes nothing and a later miss reads the new value; a write to the home by the
+    pool (an aborted step's before-images, recovery) refreshes the slot."""
+    pool, members = two_tables(tmp_path / "p", tier="pmem")
+    arena = arena_for(members, (2, 2))
+    (a, sa), _ = members
+    for m in (0, 1):
+        a.use_cache(arena.member(0, 0)), sa.use_cache(arena.member(0, 1))
+    r = [torch.tensor([5, 6]), torch.empty(0, dtype=torch.int64)]
+    seq, slots = arena.begin(r, torch.tensor([5, 6]), [2, 0])
+    arena.flat[0].view(-1, 4)[slots] += 1.0                 # what the fused update does in place
+    arena.flat[1][slots] += 2.0
+    new_w, new_m = arena.flat[0].view(-1, 4)[slots].clone(), arena.flat[1][slots].clone()
+    arena.end(r, seq)
+    assert torch.equal(a.view()[[5, 6]], new_w) and torch.equal(sa.view()[[5, 6]].flatten(), new_m)
+    seq, _ = arena.begin([torch.tensor([1, 2]), r[1]], torch.tensor([1, 2]), [2, 0])   # evicts 5 and 6
+    arena.end([torch.tensor([1, 2]), r[1]], seq)
+    assert arena.stats.evictions == 2 and int((arena.groups[0].row_slot[[5, 6]] >= 0).sum()) == 0
+    seq, slots = arena.begin([torch.tensor([5]), r[1]], torch.tensor([5]), [1, 0])      # read back
+    assert torch.equal(arena.flat[0].view(-1, 4)[slots[0]], new_w[0])
+    a.write(torch.tensor([5]), torch.full((1, 4), 9.0))          # the pool's own write path
+    assert torch.equal(arena.flat[0].view(-1, 4)[slots[0]], torch.full((4,), 9.0))
+    assert torch.equal(a.read(torch.tensor([5, 6])), torch.cat([torch.full((1, 4), 9.0), new_w[1:]]))
+    pool.close()
+
+
+def test_a_budget_too_small_for_one_batch_is_refused_before_a_pool_is_made(tmp_path):
+    with pytest.raises(CacheTooSmallError, match="cannot hold one batch") as e:
+        train(tmp_path / "p", 3, dram_cache_bytes=MIN - 1)
+    assert e.value.exit_code == 2 and "--dram-cache to at least" in e.value.hint
+    assert not (tmp_path / "p").exists()
+    CacheArenaConfig.for_budget(MIN, SPEC, batch_rows=TINY.batch_size)  # (the bound is exact)
+
+
+# --------------------------------------------------------------------------- training on the cache
+
+
+@pytest.mark.parametrize("tier,k", [("shm", 2), ("pmem", 1), ("shm", 4)])
+def test_cached_fused_path_is_bit_identical_to_the_uncached_over_50_steps_with_evictions(root, uncached, tier, k):
+    digest, summary, t = train(root / f"cached-{tier}-{k}", N, tier=tier, dram_cache_bytes=BUDGET,
+                               prefetch_batches=k)
+    c = summary.pool_stats["cache"]
+    assert c["evictions"] > 1000 and c["misses"] + c["rows_prefetched"] > c["slots"], c
+    assert c["rows_prefetched"] > 0 and 0 < c["hit_rate"] < 1 and c["bytes_written_home"] > 0
+    assert summary.pool_stats["memory"]["budget_bytes"] == BUDGET and summary.pool_stats["memory"]["vm_rss"] > 0
+    assert t.model.cache_bags is not None and t.fused  # (fbgemm's kernels, not the reference path)
+    assert digest == uncached[N]
+
+
+def test_prefetched_batches_that_are_never_trained_change_nothing(root, uncached):
+    pool = root / "unused"
+    _, _, t = train(pool, N // 2, dram_cache_bytes=BUDGET)
+    # (the run's own prefetch thread planned batches past the end; plan three more by hand)
+    t = Trainer(TrainOptions(pool=str(pool), steps=N, threads=1, progress=False, tier="shm",
+                             dram_cache_bytes=BUDGET), TINY, log=lambda s: None)
+    try:
+        batches = t.source.iter_batches(None)
+        for _ in range(3):
+            plan = t.plan(next(batches)[0])
+            assert plan.cache_seq is not None
+        assert t.model.cache_bags.arena.stats.rows_prefetched > 0
+    finally:
+        t.close()
+    assert train(pool, N, dram_cache_bytes=BUDGET)[0] == uncached[N]
+
+
+# --------------------------------------------------------------------------- crashes
+
+
+@pytest.mark.parametrize("tier,phase", [("shm", "mid-update"), ("shm", "random"), ("pmem", "after-update"),
+                                        ("pmem", "random")])
+def test_sigkill_with_the_cache_active_recovers_bit_exact(cli, root, uncached, tier, phase):
+    """A real SIGKILL (``--crash-at``) with the cache arena and its prefetch active: the resumed
+    run ends at the uncached uninterrupted run's digest."""
+    pool = root / f"crash-{tier}-{phase}"
+    flags = ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress", "--dram-cache", BUDGET]
+    crash = cli.run(["train", "--pool", pool, *flags, "--steps", N, "--crash-at", f"{N // 2}:{phase}"])
+    assert killed(crash), (crash.returncode, crash.stderr[-3000:])
+    res = cli.run(["train", "--pool", pool, *flags, "--steps", N])
+    assert digest_of(res) == uncached[N], res.stdout[-2000:]
+    assert "dram cache:" in res.stdout and "hit rate" in res.stdout

@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Tables larger than DRAM: fbgemm's fused kernels on a DRAM cache arena in front of a slow home,
+against the same model fully in memory, side by side in one run (issue 26).
+
+Variants (the same preset, seed, synthetic data and optimizers; ``--checkpoint undo``, every
+step a recovery point, as ``dlrm-cxl train`` runs by default):
+
+* ``memory``: every table in DRAM (tier ``dram``), no cache: the fully in-memory reference;
+* ``pmem+cache``: the home on emulated pmem (``--root``: a file system), a DRAM budget of
+  ``--fraction`` of the tables (``--dram-cache``);
+* ``shm+cache``: the home on ``shm`` (``/dev/shm``: the emulated CXL device), the same budget.
+
+Each variant is a :class:`~dlrm_cxl.trainer.Trainer` driven through its API exactly as
+``Trainer.run`` drives it (plans made ``--prefetch-batches`` ahead on the prefetch thread), one
+after the other in this process (so that only one model's tables are in memory at a time), its
+pool destroyed after it. After ``--warmup`` untimed steps, a window of ``--steps`` steps is timed
+(steady state). Printed per variant: samples/s and its ratio to ``memory``; the cache's hit rate
+(distinct rows resident when their step began, prefetched ones included), rows prefetched and the
+time steps waited for rows; the resident memory at the end (``RssAnon``, the pool files' page
+cache by ``mincore``; on shm the region, the device, apart) against the budget; and the bytes
+read from the device per step (``read_bytes`` of ``/proc/self/io``) and from the home into the
+cache.
+
+Usage::
+
+    python tools/bench_beyond_dram.py --preset small --steps 40        # what the README's table ran
+    python tools/bench_beyond_dram.py                                   # kaggle, 1/4: 2.2 GB (the lead's run)
+    python tools/bench_beyond_dram.py --larger-than-ram --root /mnt/big # see below; not run in the suite
+
+``--larger-than-ram``: ``kaggle`` with 128-dim rows (~17.5 GB of tables with their Adagrad
+state: more than this machine's RAM), the home on emulated pmem only (an shm home and the
+in-memory reference cannot hold it), budget ``--fraction`` of it. Needs ~18 GB free under
+``--root``. Note (README, "Tables larger than DRAM"): the emulated pmem working copy is a private
+mapping of the images, so every page the write-through stores to becomes anonymous memory until
+the pool is closed: such a run is bounded by RAM + swap, which is what this variant measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from dlrm_cxl.data import Prefetcher  # noqa: E402
+from dlrm_cxl.model import PRESETS  # noqa: E402
+from dlrm_cxl.options import TrainOptions  # noqa: E402
+from dlrm_cxl.trainer import Trainer  # noqa: E402
+from memory_pool import destroy_pool  # noqa: E402
+from memory_pool.residency import pool_files, pool_memory  # noqa: E402
+
+
+def io_read_bytes() -> int:
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, warmup: int, steps: int,
+                prefetch: int, threads: int | None) -> dict:
+    pool = root / name.replace("+", "-")
+    o = TrainOptions(pool=str(pool), steps=warmup + steps, tier=tier, dram_cache_bytes=budget, threads=threads,
+                     progress=False, prefetch_batches=prefetch, fresh=True)
+    t0 = time.perf_counter()
+    t = Trainer(o, cfg, log=lambda s: None)
+    made = time.perf_counter() - t0
+    try:
+        arena = t.model.cache_bags.arena if t.model.cache_bags is not None else None
+        # The table images were written at creation and are in the page cache: dropped (what is not
+        # mapped), so that the window's reads of the home are reads of the device.
+        for f in pool_files(t.pool.storage_dir):
+            try:
+                fd = os.open(f, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            except OSError:
+                pass
+        times = []
+        with Prefetcher(t.plan_ahead(t.source.iter_batches(None)), depth=prefetch) as batches:
+            for k in range(1, warmup + steps + 1):
+                if k == warmup + 1:
+                    t.ckpt.drain()
+                    st0 = dict(arena.stats.as_dict()) if arena is not None else None
+                    io0 = io_read_bytes()
+                    w0 = time.perf_counter()
+                batch, pos, plan = next(batches)
+                t.set_batch_position(k, pos)
+                s0 = time.perf_counter()
+                t.train_step(k, batch, plan)
+                times.append(time.perf_counter() - s0)
+            t.ckpt.drain()
+        window = time.perf_counter() - w0
+        io1 = io_read_bytes()
+        out = {"variant": name, "tier": tier, "budget_bytes": budget, "setup_seconds": made,
+               "samples_per_s": steps * cfg.batch_size / window,
+               "median_step_ms": 1e3 * statistics.median(times[warmup:]),
+               "device_read_bytes_per_step": (io1 - io0) / steps if io0 >= 0 else None}
+        if arena is not None:
+            st1 = arena.stats.as_dict()
+            d = {k: st1[k] - st0[k] for k in ("rows_needed", "hits", "misses", "rows_prefetched", "bytes_read_home",
+                                             "wait_seconds", "evictions")}
+            out["cache"] = {**d, "hit_rate": d["hits"] / max(d["rows_needed"], 1),
+                            "wait_ms_per_step": 1e3 * d["wait_seconds"] / steps,
+                            "home_read_bytes_per_step": d["bytes_read_home"] / steps,
+                            "arena_bytes": arena.nbytes}
+        out["memory"] = pool_memory(t.pool, budget_bytes=budget, cache_bytes=arena.nbytes if arena else 0)
+        return out
+    finally:
+        t.close()
+        destroy_pool(pool)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="kaggle", choices=sorted(PRESETS))
+    ap.add_argument("--fraction", type=float, default=0.25, help="DRAM budget as a fraction of the tables (default 1/4)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per variant (steady state)")
+    ap.add_argument("--prefetch-batches", default="2", help="batches of lookahead; a list (1,2,4) runs each")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--root", type=Path, default=None, help="where the pools go (default: a temporary directory)")
+    ap.add_argument("--variants", default="memory,pmem+cache,shm+cache")
+    ap.add_argument("--larger-than-ram", action="store_true",
+                    help="kaggle with 128-dim rows (~17.5 GB), pmem home only: see the module docstring")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (a child: one variant, JSON on stdout)
+    a = ap.parse_args(argv)
+    cfg = PRESETS[a.preset]
+    variants = a.variants.split(",")
+    if a.larger_than_ram:
+        cfg = replace(PRESETS["kaggle"], embedding_dim=128, bottom_mlp=(512, 256, 128))
+        variants = ["pmem+cache"]
+    budget = int(cfg.table_bytes * a.fraction)
+    root = a.root or Path(tempfile.mkdtemp(prefix="bench-beyond-dram-", dir=os.environ.get("TMPDIR", "/tmp")))
+    print(f"preset {a.preset}{' (128-dim: larger than RAM)' if a.larger_than_ram else ''}: tables "
+          f"{cfg.table_bytes / 1e9:.3f} GB, DRAM budget {budget / 1e9:.3f} GB ({a.fraction:g}); warmup {a.warmup}, "
+          f"{a.steps} timed steps, lookahead {a.prefetch_batches}; torch threads {torch.get_num_threads()}", flush=True) \
+        if a.one is None else None
+    spec = {"memory": ("dram", None), "pmem+cache": ("pmem", budget), "shm+cache": ("shm", budget),
+            "pmem": ("pmem", None), "shm": ("shm", None)}
+    if a.one is not None:  # (a child process: one variant)
+        v, k = a.one.rsplit("@", 1)
+        tier, b = spec[v]
+        r = run_variant(v, cfg, tier=tier, budget=b, root=root, warmup=a.warmup, steps=a.steps,
+                        prefetch=int(k), threads=a.threads)
+        print("RESULT " + json.dumps(r), flush=True)
+        return 0
+    # Each variant in a process of its own, one after the other: the resident memory of one is
+    # not what the allocator kept of the one before, and only one model's tables exist at a time.
+    results = []
+    ks = [int(x) for x in str(a.prefetch_batches).split(",")]
+    for v in variants:
+        for k in (ks if spec[v][1] is not None else ks[:1]):
+            cmd = [sys.executable, __file__, "--one", f"{v}@{k}", "--preset", a.preset, "--fraction", str(a.fraction),
+                   "--warmup", str(a.warmup), "--steps", str(a.steps), "--root", str(root)]
+            cmd += ["--threads", str(a.threads)] if a.threads else []
+            cmd += ["--larger-than-ram"] if a.larger_than_ram else []
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            if p.returncode or not line:
+                print(f"{v}@{k} failed (rc {p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+                return 1
+            r = json.loads(line[-1][7:])
+            r["variant"] = f"{v}@{k}" if spec[v][1] is not None and len(ks) > 1 else v
+            results.append(r)
+            print(json.dumps({x: r[x] for x in ("variant", "samples_per_s", "median_step_ms")}), flush=True)
+    base = next((r["samples_per_s"] for r in results if r["variant"] == "memory"), None)
+    print()
+    print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
+          f"{'dev MB/st':>9} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10}")
+    for r in results:
+        c, m = r.get("cache"), r["memory"]
+        dev = r["device_read_bytes_per_step"]
+        cells = [r["variant"], f"{r['samples_per_s']:,.0f}",
+                 f"{r['samples_per_s'] / base:.2f}" if base else "-",
+                 f"{c['hit_rate']:.1%}" if c else "-",
+                 f"{c['wait_ms_per_step']:.2f}" if c else "-",
+                 f"{c['home_read_bytes_per_step'] / 1e6:.2f}" if c else "-",
+                 f"{dev / 1e6:.2f}" if dev is not None else "-",
+                 f"{m.get('rss_anon', 0) / 1e6:.1f}", f"{m['pool_page_cache_bytes'] / 1e6:.1f}",
+                 f"{(m['dram_bytes'] or 0) / 1e6:.1f}", f"{budget / 1e6:.1f}" if r["budget_bytes"] else "-",
+                 f"{m['shm_device_bytes'] / 1e6:.1f}"]
+        widths = [12, 10, 8, 8, 8, 10, 9, 8, 9, 8, 9, 10]
+        print(" ".join(f"{x:<{w}}" if i == 0 else f"{x:>{w}}" for i, (x, w) in enumerate(zip(cells, widths))))
+    print("\nDRAM = anonymous memory + the pool files' page cache (the whole process: torch, the MLPs, the "
+          "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget")
+    if a.json:
+        a.json.write_text(json.dumps({"preset": a.preset, "budget_bytes": budget, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
