@@ -95,7 +95,7 @@ def cmd_train(args) -> int:
             model_digest = trainer.digest(resume=False)
             # what --skip-bad-lines skipped in the data trained on (up to the last step's batch,
             # not the read-ahead): distinct bad lines, times skipped, passes that skipped one
-            skips = trainer.source.skip_report(upto=trainer._positions.get(trainer.step)) \
+            skips = trainer.source.skip_report(upto=trainer.position_of(trainer.step)) \
                 if hasattr(trainer.source, "skip_report") else None
         finally:
             trainer.close()

@@ -152,6 +152,10 @@ class Trainer:
         the loop does this for every batch it takes from its source)."""
         self._positions = {self.step: self._positions.get(self.step), k: position}
 
+    def position_of(self, step: int):
+        """The data position of the batch ``step`` trained on (None if unknown here)."""
+        return self._positions.get(step)
+
     def live_dense_state(self, step: int) -> dict:
         """:meth:`dense_state` with the live tensors instead of copies: for a checkpointer that
         copies them at once (and before the next dense optimizer step)."""

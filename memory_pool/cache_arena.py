@@ -415,7 +415,7 @@ class CacheArena:
         return m
 
     # -- the pool's own reads and writes of cached tables (CacheMember)
-    def _read(self, gi: int, member: int, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    def read_rows(self, gi: int, member: int, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         g = self.groups[gi]
         with self._lock:
             slot = g.row_slot.index_select(0, ids).to(torch.int64)
@@ -430,7 +430,7 @@ class CacheArena:
             n_home = int((~hit).sum())
             return out, (ids.numel() - n_home) * rb, n_home * rb
 
-    def _write_through(self, gi: int, member: int, ids: torch.Tensor, values: torch.Tensor) -> None:
+    def write_rows_through(self, gi: int, member: int, ids: torch.Tensor, values: torch.Tensor) -> None:
         g = self.groups[gi]
         with self._lock:
             slot = g.row_slot.index_select(0, ids).to(torch.int64)
@@ -470,7 +470,7 @@ class CacheMember:
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """Rows ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home)."""
-        out, b_dram, b_home = self.arena._read(self.group, self.member, ids)
+        out, b_dram, b_home = self.arena.read_rows(self.group, self.member, ids)
         rb = out.shape[1] * out.element_size() if out.dim() == 2 else 4
         self.hits += b_dram // max(rb, 1)
         self.misses += b_home // max(rb, 1)
@@ -478,7 +478,7 @@ class CacheMember:
 
     def write_through(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Rows ``ids`` were just written to the home: refresh their slots."""
-        self.arena._write_through(self.group, self.member, ids, values)
+        self.arena.write_rows_through(self.group, self.member, ids, values)
 
     def reset(self, home: torch.Tensor) -> "CacheMember":
         """The whole table was replaced at home (a bulk load): nothing cached is valid."""
