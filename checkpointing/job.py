@@ -17,9 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from memory_pool import MemoryPool, PoolFormatError
-from memory_pool.durable import atomic_write, json_crc, json_with_crc, parse_json_object
-from memory_pool.errors import PoolCorruptError, RecoveryError
+from memory_pool import (MemoryPool, PoolCorruptError, PoolFormatError, RecoveryError, atomic_write, json_crc,
+                         json_with_crc, parse_json_object)
 
 from .digest import combine_digests
 from .jobdir import JOB_FILE, is_job, numbered_rank_dirs, rank_number

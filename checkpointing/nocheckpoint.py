@@ -4,9 +4,7 @@ compaction threshold."""
 
 from __future__ import annotations
 
-from memory_pool import MemoryPool
-from memory_pool import fileio
-from memory_pool.durable import atomic_write, fsync_dir
+from memory_pool import MemoryPool, atomic_write, fileio, fsync_dir
 
 from .base import Checkpointer, CheckpointStats, Step
 from .crash import CrashPlan

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memory_pool.validation import env_mib
+from memory_pool import env_mib
 
 __all__ = ["WindowConfig", "WindowPolicy", "default_compact_bytes", "default_apply_bytes", "DEFAULT_RECOVERY_BUDGET"]
 

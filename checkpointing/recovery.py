@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from memory_pool import MemoryPool, decode_logged_mark, decode_row_set, fileio, record_kind, undo_group_of
-from memory_pool.errors import PoolCorruptError, PoolFormatError, RecoveryError
+from memory_pool import (MemoryPool, PoolCorruptError, PoolFormatError, RecoveryError, decode_logged_mark,
+                         decode_row_set, fileio, record_kind, undo_group_of)
 
 from .crash import CrashPlan
 from .digest import state_digest

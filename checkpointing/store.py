@@ -33,8 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memory_pool.errors import PoolCorruptError
-from memory_pool.records import Fill
+from memory_pool import Fill, PoolCorruptError
 
 __all__ = ["ckpt_dir", "RUNNING_MARKER", "DensePacker", "unpack_dense", "commit_doc", "is_commit"]
 

@@ -87,8 +87,7 @@ from typing import Callable
 
 import torch
 
-from memory_pool import MemoryPool, Transaction
-from memory_pool.threads import one_intra_op_thread
+from memory_pool import MemoryPool, Transaction, one_intra_op_thread
 
 from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan

@@ -116,3 +116,27 @@ def test_the_script_exits_non_zero_on_findings(tmp_path):
     good = subprocess.run([sys.executable, str(REPO / "tools" / "check_arch.py"), "--repo", str(root)],
                           capture_output=True, text=True)
     assert good.returncode == 0 and good.stdout == "", good.stdout
+
+
+def test_checkpointing_uses_only_memory_pools_public_names_and_its_transaction():
+    """checkpointing imports from ``memory_pool`` only what its ``__all__`` exports, and writes the
+    journal only through ``memory_pool.Transaction`` (no record types, no END, no flush)."""
+    import ast
+
+    import memory_pool
+
+    root = Path(__file__).resolve().parents[1] / "checkpointing"
+    bad = []
+    for f in sorted(root.glob("*.py")):
+        text = f.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("memory_pool"):
+                if node.module != "memory_pool":
+                    bad.append(f"{f.name}:{node.lineno}: from {node.module}")
+                bad += [f"{f.name}:{node.lineno}: {a.name}" for a in node.names if a.name not in memory_pool.__all__]
+            elif isinstance(node, ast.Import):
+                bad += [f"{f.name}:{node.lineno}: import {a.name}" for a in node.names if a.name.startswith("memory_pool.")]
+        for word in ("RecordType", ".end(", ".flush("):
+            if word in text:
+                bad.append(f"{f.name}: {word}")
+    assert bad == []
