@@ -309,7 +309,10 @@ def recover_pool(pool: MemoryPool, *, dry_run: bool = False, digest: bool = True
             crash.hit_recovery("before-invalidate")
         # The rows are at the target now (in place on direct tiers); the unfinished records
         # must go before anything new is appended, or a later END would seal them.
-        dropped = pool.journal.truncate_tail()
+        j = pool.journal
+        # (nothing after the newest END: the journal is left as it is -- a direct-written
+        # segment's block padding after it is no record, and a second recovery changes nothing)
+        dropped = j.truncate_tail() if (j.tail or j.torn_bytes or j.tail_beyond or j.tail_damage) else 0
         if dropped:
             rep.actions.append(f"dropped {dropped} bytes of unfinished journal records")
         witnesses = _witnesses_after(pool, txn) if txn is not None else {}

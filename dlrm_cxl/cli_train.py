@@ -213,9 +213,6 @@ def cmd_recover(args) -> int:
             else:
                 print(f"pool is consistent at step {rep.committed_step}: {rep.rows_restored} rows restored "
                       f"from {steps} in {rep.seconds * 1e3:.1f} ms")
-            if replay and getattr(rep, "replay_stopped", None) == "--no-replay":
-                print(f"--no-replay: the committed steps {replay[0]}..{replay[-1]} after it were dropped, not "
-                      f"replayed")
     if rep.state_digest:
         print(f"state_digest {rep.state_digest}")
     return 0

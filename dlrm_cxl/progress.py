@@ -8,11 +8,13 @@ line every ``interval`` seconds (10 by default) and nothing in between::
     step 1200/5000 (24%): loss 0.4512, 18,734 samples/s, 64 s elapsed, ~3 min left
 
 Both take the calls the trainer makes (tqdm's): ``set_postfix(**values)``, ``update(n)``,
-``close()``.
+``close()``. ``DLRM_CXL_PROGRESS=bar`` in the environment gives the tqdm bar on any file (the
+crash tools read its per-step counts from a pipe: tools/torture.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, TextIO
@@ -29,7 +31,7 @@ def progress_bar(total: int, initial: int = 0, file: TextIO | None = None, inter
         tty = file.isatty()
     except (AttributeError, ValueError):  # (a closed or unusual stream)
         tty = False
-    if tty:
+    if tty or os.environ.get("DLRM_CXL_PROGRESS") == "bar":
         from tqdm import tqdm
 
         return tqdm(total=total, initial=initial, unit="step", file=file, dynamic_ncols=True)

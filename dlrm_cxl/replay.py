@@ -40,50 +40,57 @@ def recover_and_replay(path, *, dry_run: bool = False, digest: bool = True, cras
     steps after it (a single pool; a job's ranks replay together when ``train`` resumes them).
     Returns the recovery report with the replay filled in (``committed_step``: where the pool is
     now). ``seconds``: the whole of it, opening the pool included, imports not."""
-    from checkpointing import committed_state, recover_path, state_digest
+    from checkpointing import RecoveryReport, checkpoint_status, committed_state, recover_path, state_digest
     from checkpointing.crash import die
-    from memory_pool import MemoryPool, read_header
+    from checkpointing.jobdir import is_job
+    from memory_pool import MemoryPool
 
     from .options import TrainOptions
     from .trainer import Trainer
 
-    from checkpointing.jobdir import is_job
-
     t0 = time.perf_counter()
     phase = crash_phase if crash_phase != REPLAY_PHASE else None
-    if dry_run or is_job(path):
+    if dry_run or no_replay or phase is not None or is_job(path):
         return recover_path(path, dry_run=dry_run, digest=digest, crash_phase=phase, no_replay=no_replay)
-    rep = recover_path(path, dry_run=False, digest=False, crash_phase=phase, no_replay=no_replay)
-    todo = [k for k in rep.replay_steps if rep.committed_step is not None and k > rep.committed_step]
-    if todo and not no_replay:
-        meta = read_header(path).get("meta", {})
-        try:
-            check_replay_source(meta.get("data_identity"), meta.get("data"), first=todo[0], last=todo[-1],
-                                step=rep.committed_step)
-        except ReplaySourceError as exc:
-            rep.replay_stopped = exc.message
-            raise
-        run = meta.get("run") or {}
-        t1 = time.perf_counter()
-        opts = TrainOptions(pool=str(path), steps=todo[-1], data=meta.get("data") or "synthetic",
-                            seed=meta.get("seed", 0), zipf_alpha=meta.get("zipf_alpha", 1.05), threads=run.get("threads"),
-                            kernel=run.get("kernel", "fused"), device=run.get("device", "cpu"), progress=False,
-                            dram_cache_bytes=run.get("dram_cache_bytes"), crash_at=None)
-        trainer = Trainer(opts, None, log=log or (lambda s: None))
-        if crash_phase == REPLAY_PHASE:
-            trainer.after_step = lambda k: die(f"{REPLAY_PHASE} (replayed to step {k})") \
-                if k >= rep.committed_step + max(1, len(todo) // 2) else None
-        try:
-            summary = trainer.run()
-        finally:
-            trainer.close()
-        rep.replayed = summary.replayed_steps
-        rep.replay_seconds = time.perf_counter() - t1
-        rep.committed_step = summary.end_step
-        rep.actions.append(f"replayed steps {todo[0]}..{todo[-1]} from their commit records: every loss "
-                           f"reproduced bit for bit")
-    elif todo:
-        rep.replay_stopped = "--no-replay"
+    # What is there to replay (read-only, the journal scanned, no row read)?
+    with MemoryPool.open(path, read_only=True, rows=False) as probe:
+        status, meta = checkpoint_status(probe), probe.meta
+    todo = status["replay_steps"]
+    if not todo or "model" not in meta:
+        return recover_path(path, digest=digest)
+    try:
+        check_replay_source(meta.get("data_identity"), meta.get("data"), first=todo[0], last=todo[-1],
+                            step=status["committed_step"])
+    except ReplaySourceError:
+        # (the rollback to the window's start happens all the same: the pool is left consistent,
+        # with the records of the steps after it kept for a retry)
+        recover_path(path, digest=False)
+        raise
+    # One open: the trainer recovers the pool to the window's start as it opens it (the same
+    # recover_pool as above), then trains the recorded steps again, checking each.
+    run = meta.get("run") or {}
+    opts = TrainOptions(pool=str(path), steps=todo[-1], data=meta.get("data") or "synthetic",
+                        seed=meta.get("seed", 0), zipf_alpha=meta.get("zipf_alpha", 1.05), threads=run.get("threads"),
+                        kernel=run.get("kernel", "fused"), device=run.get("device", "cpu"), progress=False,
+                        dram_cache_bytes=run.get("dram_cache_bytes"), crash_at=None)
+    trainer = Trainer(opts, None, log=log or (lambda s: None))
+    rep = trainer.recovery or RecoveryReport(str(path), status["committed_step"], False, False)
+    rep.restored_step = trainer.step
+    rep.replay_steps = todo
+    if crash_phase == REPLAY_PHASE:
+        trainer.after_step = lambda k: die(f"{REPLAY_PHASE} (replayed to step {k})") \
+            if k >= rep.restored_step + max(1, len(todo) // 2) else None
+    t1 = time.perf_counter()
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    rep.replayed = summary.replayed_steps
+    rep.replay_seconds = time.perf_counter() - t1
+    rep.committed_step = summary.end_step
+    rep.needed = True
+    rep.actions.append(f"replayed steps {todo[0]}..{todo[-1]} from their commit records: every loss "
+                       f"reproduced bit for bit")
     rep.seconds = time.perf_counter() - t0
     if digest and rep.committed_step is not None:
         with MemoryPool.open(path, read_only=True, consistent=True, replay="on-demand") as p:

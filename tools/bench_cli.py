@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ref = statistics.median(x["samples_per_s"] for x in res["torchrec"]) if "torchrec" in res else None
     base = {}
     print(f"\n{'variant':<19}{'samples/s':>11}{'vs torchrec':>13}{'vs none':>9}{'durable MB/step':>17}"
-          f"{'device MB/step':>16}{'WA':>7}{'wait ms/step':>14}")
+          f"{'device MB/step':>16}{'WA':>7}{'wait ms/step':>14}{'window':>8}")
     for v in variants:
         m = statistics.median(x["samples_per_s"] for x in res[v])
         if v.endswith(" none"):
@@ -152,7 +152,9 @@ def main(argv=None) -> int:
             wait = f"{1e3 * ck['commit_wait_seconds'] / max(ck['steps'], 1):.2f}"
         tier = v.rsplit(" ", 1)[0]
         vs_none = f"{m / base[tier]:.3f}x" if v.endswith(" undo") and tier in base else ""
-        print(f"{v:<19}{m:>11,.0f}{(f'{m / ref:.3f}x' if ref else ''):>13}{vs_none:>9}{durable:>17}{dev:>16}{wa:>7}{wait:>14}")
+        window = str(xs[-1].get("window", "")) if ck and v.endswith(" undo") else ""
+        print(f"{v:<19}{m:>11,.0f}{(f'{m / ref:.3f}x' if ref else ''):>13}{vs_none:>9}{durable:>17}{dev:>16}{wa:>7}{wait:>14}"
+              f"{window:>8}")
     return 0
 
 

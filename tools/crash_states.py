@@ -97,12 +97,15 @@ def _recover(cli: Cli, pool: Path) -> tuple[int, dict | None, str]:
 
 
 def sweep(*, tier: str = "power-sim", steps: int = 24, kills: int = 12, states: int = 8, seed: int = 0,
-          pool_dir: Path, resume: bool = True, log=print) -> Sweep:
+          pool_dir: Path, resume: bool = True, log=print, window: int | None = 1) -> Sweep:
+    """``window``: the trainer's --window (1, the default: a recovery point with its rows every
+    step, the most syncs per step; None: the recovery budget chooses)."""
     rng = random.Random(seed)
     env = dict(SMALL_THRESHOLDS)
     if tier == "pmem":
         env[fileio.ENV] = "1"
-    flags = ["--preset", "tiny", "--tier", tier, "--seed", str(seed), "--threads", "1", "--no-progress"]
+    flags = ["--preset", "tiny", "--tier", tier, "--seed", str(seed), "--threads", "1", "--no-progress",
+             *(["--window", str(window)] if window is not None else [])]
     res = Sweep()
     cli = Cli(env=env)
     try:
@@ -161,12 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-dir", type=Path, default=None)
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--window", default="1", help="the trainer's --window (default 1); 'budget': none given")
     ap.add_argument("--quick", action="store_true", help="3 kills x 4 states, 16 steps")
     a = ap.parse_args(argv)
     if a.quick:
         a.steps, a.kills, a.states = 16, 3, 4
     with tempfile.TemporaryDirectory(prefix="crash-states-", dir=a.pool_dir) as d:
         res = sweep(tier=a.tier, steps=a.steps, kills=a.kills, states=a.states, seed=a.seed, pool_dir=Path(d),
+                    window=None if a.window == "budget" else int(a.window),
                     resume=not a.no_resume)
     if res.reference_failed:
         print(f"crash-states: reference failed: {res.reference_failed}")

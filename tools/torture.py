@@ -138,6 +138,9 @@ def parse_digest(text: str) -> str | None:
 def _child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    # The trainer's tqdm bar although stderr is a pipe (dlrm_cxl/progress.py): its per-step
+    # counts say how far a killed run got.
+    env.setdefault("DLRM_CXL_PROGRESS", "bar")
     env.update(extra or {})
     return env
 

@@ -252,7 +252,7 @@ class CriteoTSVReader:
         ``upto``: a position this reader gave (a batch's), to count only the lines up to it and
         not those read ahead of it (a trainer's prefetch): the report of the data it trained on."""
         lines, skips, passes = self.bad_lines, self.skipped, self.bad_passes
-        if isinstance(upto, dict) and _nonneg_int(upto, "epoch") and _nonneg_int(upto, "line"):
+        if isinstance(upto, dict) and nonneg_int(upto, "epoch") and nonneg_int(upto, "line"):
             end = (int(upto["epoch"]), int(upto["line"]))
             for epoch, no, new, new_pass in self._recent:
                 if (epoch, no) > end:
