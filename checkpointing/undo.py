@@ -93,7 +93,7 @@ from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan
 from .policy import WindowConfig, WindowPolicy, default_apply_bytes, default_compact_bytes
 from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
-from .window import WindowRows, union
+from .window import WindowRows
 
 __all__ = ["UndoLogCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step", "loss_bits"]
 
@@ -154,8 +154,9 @@ class UndoLogCheckpointer(Checkpointer):
         self._txn_start: dict[int, int] = {t.tag: t.first_seq for t in commits[-4:]}
         self._lock = threading.Lock()
         self._broken: str | None = None
-        self._first = WindowRows()               # direct tiers: rows the window has logged (writer thread)
-        self._window_steps: list = []            # journaled tiers: each step's rows since the window began
+        # The rows the window has touched (writer thread): on direct tiers, to log each one's
+        # before-image once; on journaled tiers, to write each one's after-image once, at the end.
+        self._first = WindowRows()
         # Witnesses of steps being replayed (dlrm_cxl.replay): each recovery point carries those
         # after it, so a crash during the replay loses none.
         self.carry: dict[int, dict] = {}
@@ -202,8 +203,6 @@ class UndoLogCheckpointer(Checkpointer):
         cur = self._cur
         self.hit("before-log")
         cur.touched = list(touched)
-        if self.log_rows:
-            self._window_steps.append(cur.touched)
         if self.log_undo:
             # Nothing on the trainer's thread: the writer thread copies the rows' current values
             # (the step's before-images), appends and syncs them while the forward runs. No
@@ -324,12 +323,14 @@ class UndoLogCheckpointer(Checkpointer):
             self._last_job.result()
             self.stats.commit_wait_seconds += time.perf_counter() - t0
         rows, dense = None, None
+        if self.log_rows and not self.log_undo:
+            # (journaled tiers, one rank: the writer notes the step's rows as the window's, in
+            # step order, and at the window's end writes the after-images of all of them)
+            rows = self._cur.touched if self._cur is not None else []
         if ends:
-            # The window's rows (journaled tiers: after-images, each once) and the dense
-            # state's live tensors: the writer copies them (off this thread's critical path)
-            # before the next step's persist() or update() lets anything change them.
-            if self.log_rows:
-                rows, self._window_steps = union(self._window_steps), []
+            # The dense state's live tensors (and the window's rows): the writer copies them
+            # (off this thread's critical path) before the next step's persist() or update()
+            # lets anything change them.
             dense = self.dense_state(step)
             carry = {s: w for s, w in self.carry.items() if s > step}
             if carry:
@@ -355,6 +356,12 @@ class UndoLogCheckpointer(Checkpointer):
     def _append_txn(self, step: int, txn: Transaction, rows, dense, doc: dict) -> None:
         crash = self.crash if (self.crash is not None and self.crash.at(step, *COMMIT_PHASES)) else None
         n = 0
+        if self.log_rows:
+            # Journaled tiers: the window's rows, each once, at its end. (One rank: the rows are
+            # noted here, step by step; several ranks: the undo job noted them already.)
+            if rows is not None:
+                self._first.first_touch(rows)
+            rows = self._first.touched_rows() if dense is not None else None
         try:
             if rows:
                 self.stats.table_bytes_persisted += txn.rows(rows)
