@@ -72,7 +72,10 @@ def recover_and_replay(path, *, dry_run: bool = False, digest: bool = True, cras
     opts = TrainOptions(pool=str(path), steps=todo[-1], data=meta.get("data") or "synthetic",
                         seed=meta.get("seed", 0), zipf_alpha=meta.get("zipf_alpha", 1.05), threads=run.get("threads"),
                         kernel=run.get("kernel", "fused"), device=run.get("device", "cpu"), progress=False,
-                        dram_cache_bytes=run.get("dram_cache_bytes"), crash_at=None)
+                        dram_cache_bytes=run.get("dram_cache_bytes"), crash_at=None,
+                        # One window over the steps replayed: each writes its commit record only, the
+                        # last one a recovery point (a crash during the replay keeps the witnesses).
+                        window=max(1, todo[-1] - status["committed_step"]))
     trainer = Trainer(opts, None, log=log or (lambda s: None))
     rep = trainer.recovery or RecoveryReport(str(path), status["committed_step"], False, False)
     rep.restored_step = trainer.step

@@ -348,8 +348,11 @@ class Trainer:
         # Everything built so far (torch, the model, the pool) lives as long as the run: moved
         # out of the cyclic GC's reach, a full collection no longer walks it (measured: one
         # 190 ms collection per ~100 steps on `small`, ~2 ms a step).
-        gc.collect()
-        gc.freeze()
+        # (Not for a short run -- a replay of a few steps after a crash, where the collection
+        # alone took 110 ms of a recovery's second -- which rarely reaches a full collection.)
+        if n > 32:
+            gc.collect()
+            gc.freeze()
         try:
             if n:
                 with Prefetcher(self.plan_ahead(self.source.iter_batches(last_pos)), depth=o.prefetch_batches) as batches:

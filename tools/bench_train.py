@@ -149,11 +149,12 @@ class PoolVariant:
     """
 
     def __init__(self, name: str, cfg: ModelConfig, batches: list, workdir: Path, *, tier: str,
-                 checkpoint: str = "undo", window: int | None = 1, recovery_budget: float = 1.0,
+                 checkpoint: str = "undo", window: int | None = 1, recovery_budget: float = 1.0, writer: str = "auto",
                  ckpt_factory: Callable | None = None, seed: int = 0, live_dense: bool = False):
         self.name, self.cfg, self.batches = name, cfg, batches
         self.live_dense = live_dense
         self.tier, self.checkpoint, self.window, self.recovery_budget = tier, checkpoint, window, recovery_budget
+        self.writer = writer
         self.ckpt_factory = ckpt_factory
         self.path = workdir / ("pool-" + name.replace("/", "-").replace(" ", "").replace("=", ""))
         self.seed = seed
@@ -165,7 +166,8 @@ class PoolVariant:
     def setup(self) -> None:
         o = TrainOptions(pool=str(self.path), steps=NEVER, tier=self.tier, seed=self.seed,
                          checkpoint="none" if self.ckpt_factory else self.checkpoint,
-                         window=self.window, recovery_budget=self.recovery_budget, progress=False, fresh=True)
+                         window=self.window, recovery_budget=self.recovery_budget, writer=self.writer, progress=False,
+                         fresh=True)
         self.trainer = Trainer(o, self.cfg, log=lambda s: None)
         if self.ckpt_factory is not None:
             self.trainer.ckpt.close()
@@ -351,6 +353,7 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=None,
                    help="undo variants: a fixed recovery window of W steps (default: from --recovery-budget)")
     p.add_argument("--recovery-budget", type=float, default=1.0, help="undo variants: seconds (default 1.0)")
+    p.add_argument("--writer", default="auto", help="undo variants: the journal writer (auto, thread, inline)")
     p.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec reference")
     p.add_argument("--num-batches", type=int, default=32, help="distinct pre-generated batches, cycled")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -392,7 +395,7 @@ def main(argv=None) -> int:
                                             ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds)))
             elif c in ("none", "undo"):
                 variants.append(PoolVariant(f"{t}/{c}", cfg, batches, workdir, tier=t, checkpoint=c,
-                                            window=a.window, recovery_budget=a.recovery_budget))
+                                            window=a.window, recovery_budget=a.recovery_budget, writer=a.writer))
             else:
                 raise SystemExit(f"--checkpoints: unknown {c!r} (none, floor, undo)")
     if not a.no_torchrec:
