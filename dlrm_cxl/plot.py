@@ -46,19 +46,8 @@ def plot_metrics(m: Metrics, out, *, title: str = "") -> dict:
 
     fig, (ax_loss, ax_tput, ax_auc) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     try:
-        ax_loss.plot(m.steps, m.loss, lw=0.6, alpha=0.35, color="tab:blue", label="loss")
-        ax_loss.plot(m.steps, _moving(m.loss, _WINDOW, "mean"), lw=1.5, color="tab:blue",
-                     label=f"mean of {_WINDOW} steps")
-        ax_loss.set_ylabel("training loss (BCE)")
-        ax_loss.legend(loc="upper right", fontsize="small")
-        ax_loss.grid(alpha=0.3)
-
-        ax_tput.plot(m.steps, m.samples_per_s, lw=0.6, alpha=0.35, color="tab:green", label="samples/s")
-        ax_tput.plot(m.steps, _moving(m.samples_per_s, _WINDOW, "median"), lw=1.5, color="tab:green",
-                     label=f"median of {_WINDOW} steps")
-        ax_tput.set_ylabel("samples/s")
-        ax_tput.legend(loc="lower right", fontsize="small")
-        ax_tput.grid(alpha=0.3)
+        _series(ax_loss, m.steps, m.loss, "tab:blue", "loss", "mean", "training loss (BCE)", "upper right")
+        _series(ax_tput, m.steps, m.samples_per_s, "tab:green", "samples/s", "median", "samples/s", "lower right")
 
         if m.evals:
             ks = [k for k, _ in m.evals]
@@ -82,3 +71,12 @@ def plot_metrics(m: Metrics, out, *, title: str = "") -> dict:
     atomic_write(Path(out), data, durable=False)
     return {"out": str(out), "steps": len(m.steps), "first_step": m.steps[0], "last_step": m.steps[-1],
             "evals": len(m.evals), "bytes": len(data)}
+
+
+def _series(ax, steps, values, color: str, label: str, how: str, ylabel: str, where: str) -> None:
+    """A per-step series, faint, and its moving ``how`` (mean or median) over _WINDOW steps."""
+    ax.plot(steps, values, lw=0.6, alpha=0.35, color=color, label=label)
+    ax.plot(steps, _moving(values, _WINDOW, how), lw=1.5, color=color, label=f"{how} of {_WINDOW} steps")
+    ax.set_ylabel(ylabel)
+    ax.legend(loc=where, fontsize="small")
+    ax.grid(alpha=0.3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import random
 import sys
@@ -18,7 +19,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from checkpointing import CrashPlan, NoCheckpointer, UndoLogCheckpointer, committed_state, state_digest
 from checkpointing.policy import WindowConfig
@@ -35,6 +35,8 @@ from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
 from .replay_source import check_replay_source, data_identity, run_settings
+from .step import make_path
+from .step import phase as _phase
 
 __all__ = ["Trainer", "io_write_bytes"]
 
@@ -91,6 +93,8 @@ class Trainer:
         self.fused = self.dist is None and o.kernel == "fused" and self.model.bind_fused(self.pool)
         self.dense_opt = build_dense_optimizer(cfg, self.model.parameters())
         self.sparse_opt = SparseOptimizer(cfg.embedding_optimizer, self.pool, self.model.tables)
+        # The kernel path of every step, chosen once (dlrm_cxl/step.py).
+        self.path = make_path(self.model, self.sparse_opt, self.dense_opt, fused=self.fused, dist=self.dist)
         self.spec = data_spec(cfg)
         self.source = make_data_source(o.data, self.spec, seed=o.seed, skip_bad_lines=o.skip_bad_lines,
                                        alpha=o.zipf_alpha)
@@ -191,15 +195,10 @@ class Trainer:
         return self.model.plan(batch.sparse)
 
     def train_step(self, k: int, batch, plan=None) -> float:
-        """One step. The call order of the checkpointer (checkpointing/base.py) around fbgemm's
-        fused kernels: log the before-images of the rows the step will change, forward, and the
-        write-ahead barrier right before the fused backward changes them in place; commit.
-        ``plan``: ``self.plan(batch)`` if the caller made it already."""
-        if self.dist is not None:
-            return self._train_step_sharded(k, batch, plan)
-        if not self.fused:
-            return self._train_step_reference(k, batch, plan)
-        ck, model = self.ckpt, self.model
+        """One step, the same for every kernel path (``self.path``, dlrm_cxl/step.py: the call
+        order of the checkpointer around it). ``plan``: ``self.plan(batch)`` if the caller made
+        it already."""
+        ck = self.ckpt
         ck.begin_step(k)
         try:
             with _phase("plan"):
@@ -208,70 +207,20 @@ class Trainer:
             with _phase("log_before_image"):
                 ck.log_before_image(self.sparse_opt.touched(plan))
             with _phase("forward"):
-                logits, pooled = model.forward_fused(batch.dense, plan)
-                loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
-                if not bool(torch.isfinite(loss)):
-                    self._diverged(k, float(loss.detach()))
-                witness = self._witness(k, loss)
+                loss, shown, pooled = self.path.forward(batch, plan)
+                if not math.isfinite(float(shown)):
+                    self._diverged(k, float(shown))
+                witness = self._witness(k, shown)
             with _phase("backward_and_fused_update"):
                 self.dense_opt.zero_grad(set_to_none=True)
-                # The gradient of the pooled output is ready just before fbgemm's backward updates
-                # the rows in place: the write-ahead barrier goes exactly there, so the undo log's
-                # write overlaps the forward and the dense backward.
-                pooled.register_hook(lambda g: self._barrier(ck, k, g))
-                loss.backward()
-                ck.hit("mid-update")  # rows updated, dense step not yet
-            with _phase("dense_optimizer"):
-                ck.update(self.dense_opt.step)
+                self.path.backward_and_update(ck, k, loss, pooled, plan)
         except BaseException:
             ck.abort()  # (what `with ck.step(k)` does; spelled out to time the commit below)
             raise
         with _phase("commit"):
             ck.commit(k, final=(k == self.o.steps), witness=witness)
         self.step = k
-        return float(loss.detach())
-
-    def _barrier(self, ck, k: int, grad: torch.Tensor) -> None:
-        # A non-finite gradient would write non-finite rows: refuse before anything is written
-        # (the loss can be finite while a gradient is not, e.g. after an overflow in the MLP).
-        if not _all_finite(grad):
-            raise TrainingDivergedError(f"the embedding gradient of step {k} is not finite (the loss is); the "
-                                        f"step was not applied, the pool stays at step {k - 1}")
-        ck.persist()
-        ck.mark_updated()
-
-    def _train_step_reference(self, k: int, batch, plan) -> float:
-        ck, model = self.ckpt, self.model
-        with ck.step(k, final=(k == self.o.steps)):
-            with _phase("plan"):
-                if plan is None:
-                    plan = self.plan(batch)
-            with _phase("log_before_image"):
-                ck.log_before_image(self.sparse_opt.touched(plan))
-            with _phase("forward"):
-                logits, pooled = model(batch.dense, plan)
-                loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
-                if not bool(torch.isfinite(loss)):
-                    self._diverged(k, float(loss.detach()))
-                ck.current.witness = self._witness(k, loss)
-            with _phase("backward_and_fused_update"):  # here: backward, then the sparse update
-                self.dense_opt.zero_grad(set_to_none=True)
-                loss.backward()
-                updates = self.sparse_opt.compute(plan, pooled.grad, ck.before_images())
-                ck.persist()
-                self._apply(ck, updates)
-            self.step = k
-        return float(loss.detach())
-
-    def _apply(self, ck, updates) -> None:
-        # "mid-update" fires after half of the tables (after the first, with one table).
-        half = max(1, len(updates) // 2)
-
-        def apply():
-            self.sparse_opt.apply(updates, between=lambda i: ck.hit("mid-update") if i == half - 1 else None)
-            self.dense_opt.step()
-
-        ck.update(apply)
+        return float(shown)
 
     def _witness(self, k: int, loss) -> dict:
         """Step k's witness (its loss's bits, its batch's position), checked against the record
@@ -295,32 +244,6 @@ class Trainer:
         # k - 1 a recovery point, so the pool needs no recovery afterwards (checkpointing/undo.py).
         raise TrainingDivergedError(f"loss is {loss} at step {k}; the step was not applied, the pool "
                                     f"stays at step {k - 1}")
-
-    def _train_step_sharded(self, k: int, batch, plan) -> float:
-        """One step of a rank: see dlrm_cxl.distributed for the exchange."""
-        ck, model, d = self.ckpt, self.model, self.dist
-        local = d.local_slice(batch.labels.numel())
-        with ck.step(k, final=(k == self.o.steps)):
-            if plan is None:
-                plan = self.plan(batch)                # this rank's tables, the whole batch
-            ck.log_before_image(self.sparse_opt.touched(plan))
-            pooled = d.pooled_to_samples(model.pooled(plan)).to(model.dense_device).requires_grad_(True)
-            logits = model.forward_pooled(batch.dense[local], pooled)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels[local].to(logits.device))
-            global_loss = d.mean(float(loss.detach()))
-            if not np.isfinite(global_loss):  # every rank sees the same value: all stop together
-                self._diverged(k, global_loss)
-            ck.current.witness = self._witness(k, global_loss)
-            self.dense_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            d.average_gradients(self.model.parameters())
-            # d(mean over the global batch)/d(pooled) = (1/W) * d(local mean)/d(pooled)
-            grad = d.grads_to_owners(pooled.grad / d.world)
-            updates = self.sparse_opt.compute(plan, grad, ck.before_images())
-            ck.persist()
-            self._apply(ck, updates)
-            self.step = k
-        return global_loss
 
     # -- the loop
     def run(self) -> TrainSummary:
@@ -436,16 +359,6 @@ class Trainer:
 def _json(x):
     """``x`` as it reads back from JSON (tuples become lists), for comparing with a record."""
     return json.loads(json.dumps(x)) if x is not None else None
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    lo, hi = torch.aminmax(t)  # one pass, no temporary; NaN propagates
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
-def _phase(name: str):
-    """A named range for torch.profiler (tools/profile_step.py); next to free when not profiling."""
-    return torch.profiler.record_function(f"dlrm_cxl.{name}")
 
 
 def io_write_bytes() -> int:
