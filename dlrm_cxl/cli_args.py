@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed data lines and count them (a bad line once, however many passes read it)")
     t.add_argument("--fresh", action="store_true", help="delete the pool first and start over")
+    t.add_argument("--override", default="", metavar="KEYS",
+                   help="change these on an existing pool on purpose, from its current step on (comma-separated: "
+                        "lr, dense_lr, data; e.g. --override lr --lr 0.01 after a diverged run). Recorded in the "
+                        "pool's history (inspect --json: meta.history)")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (by default a bar on a terminal; elsewhere, e.g. a log file, a "
                         "line every 10 s)")

@@ -53,7 +53,8 @@ def cmd_train(args) -> int:
         threads=args.threads,
         skip_bad_lines=args.skip_bad_lines, capacity_bytes=args.capacity, dram_cache_bytes=args.dram_cache,
         fresh=args.fresh, progress=not args.no_progress and not args.json, zipf_alpha=args.zipf_alpha, kernel=args.kernel,
-        writer=args.writer, verbose=args.verbose, prefetch_batches=args.prefetch_batches)
+        writer=args.writer, verbose=args.verbose, prefetch_batches=args.prefetch_batches,
+        override=tuple(k.strip().replace("-", "_") for k in args.override.split(",") if k.strip()))
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else None
     if pool_exists and not distributed and not args.json and not args.crash_at:
         from memory_pool.writer_lock import lock_held

@@ -43,6 +43,7 @@ class TrainOptions:
     zipf_alpha: float = 1.05
     kernel: str = "fused"              # fused (fbgemm TBE in place) | reference (see model.py)
     writer: str = "auto"               # auto | thread | inline: where the journal writer runs (resolve_writer)
+    override: tuple = ()               # deliberate changes of an existing pool: lr, dense_lr, data
     verbose: bool = False              # -v: also the details (the replay on demand's lines)
     prefetch_batches: int = 2          # batches planned (and, with a DRAM cache, read) ahead: dlrm_cxl/lookahead.py
 
@@ -66,6 +67,9 @@ def validate_options(o: TrainOptions) -> None:
         raise ValueError(f"--kernel must be fused or reference, got {o.kernel!r}")
     if o.threads is not None and o.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {o.threads}")
+    bad = [k for k in o.override if k not in ("lr", "dense_lr", "data")]
+    if bad:
+        raise ValueError(f"--override takes lr, dense_lr and data (comma-separated), got {','.join(bad)}")
     if o.writer not in WRITERS:
         raise ValueError(f"--writer must be one of {', '.join(WRITERS)}, got {o.writer!r}")
     from .lookahead import validate_prefetch_batches

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -97,11 +97,20 @@ def probe_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, path: Pa
         raise PoolFormatError(f"{path} is a pool but holds no trainer state (created through the API?)",
                               hint="train into a new --pool directory")
     stored = ModelConfig.from_dict(meta["model"])
-    if model_cfg is not None and model_cfg != stored:
-        diff = [k for k in asdict(stored) if asdict(stored)[k] != asdict(model_cfg)[k]]
-        raise ConfigMismatchError(f"{path} was created with a different model ({', '.join(diff)} differ)")
-    if o.data != meta.get("data", o.data):
-        raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}")
+    if model_cfg is not None and _without_overrides(model_cfg, stored, o.override) != stored:
+        cmp = _without_overrides(model_cfg, stored, o.override)
+        diff = [k for k in asdict(stored) if asdict(stored)[k] != asdict(cmp)[k]]
+        lr = {"dense_lr", "embedding_optimizer"} & set(diff)
+        raise ConfigMismatchError(
+            f"{path} was created with a different model ({', '.join(diff)} differ)",
+            hint="pass --override lr,dense_lr to change the learning rates of an existing pool on purpose (recorded "
+                 "in its history), drop the flag to continue it as created, or --fresh to start over"
+            if lr and set(diff) <= {"dense_lr", "embedding_optimizer"} else None)
+    if o.data != meta.get("data", o.data) and "data" not in o.override:
+        raise ConfigMismatchError(f"{path} was trained on --data {meta.get('data')}, not {o.data}",
+                                  hint="pass --override data to continue the pool on another data file on purpose "
+                                       "(recorded in its history), drop --data to continue on its own, or --fresh to "
+                                       "start over")
     if o.seed != meta.get("seed", o.seed):
         raise ConfigMismatchError(f"{path} was trained with --seed {meta.get('seed')}, not {o.seed}")
     if o.data == "synthetic" and o.zipf_alpha != meta.get("zipf_alpha", o.zipf_alpha):
@@ -170,6 +179,15 @@ def open_training_pool(o: TrainOptions, model_cfg: ModelConfig | None, log: Call
                 rep.seconds = time.perf_counter() - t0  # (opening the pool included, as recover(path) reports it)
                 log(f"recovered to step {rep.committed_step}: rolled back {len(rep.rolled_back_steps)} steps, "
                     f"{rep.rows_restored} rows, in {rep.seconds * 1e3:.1f} ms")
+            if o.override:
+                from checkpointing import committed_state
+                from checkpointing.recovery import replay_witnesses
+
+                if "data" in o.override and o.data != pool.meta.get("data") and replay_witnesses(pool):
+                    raise ConfigMismatchError(
+                        f"{path}: --override data while committed steps wait for their replay on the data they "
+                        f"read", hint=f"run `dlrm-cxl recover --pool {path}` first (or `--no-replay`), then override")
+                stored = apply_overrides(pool, o, model_cfg, stored, committed_state(pool)[0], log)
         except BaseException:
             pool.close()
             raise
@@ -202,3 +220,53 @@ def _clone_tree(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_clone_tree(v) for v in obj)
     return copy.copy(obj)
+
+
+OVERRIDES = ("lr", "dense_lr", "data")
+
+
+def _without_overrides(cfg: ModelConfig, stored: ModelConfig, override) -> ModelConfig:
+    """``cfg`` with the fields ``override`` allows to differ taken from ``stored``."""
+    if "dense_lr" in override:
+        cfg = replace(cfg, dense_lr=stored.dense_lr)
+    if "lr" in override:
+        cfg = replace(cfg, embedding_optimizer=replace(cfg.embedding_optimizer, lr=stored.embedding_optimizer.lr))
+    return cfg
+
+
+def apply_overrides(pool: MemoryPool, o: TrainOptions, model_cfg: ModelConfig | None, stored: ModelConfig,
+                    step: int | None, log: Callable[[str], None]) -> ModelConfig:
+    """Deliberate changes of an existing pool (``--override``): the learning rates and the data
+    file. Each is recorded in the pool's history (``meta["history"]``: the step it applies from,
+    the old and the new value) and the pool's model/data become the new ones. Returns the model
+    config to train with. What the digest rules say then: a run with an override is bit-exact
+    with another run that made the same override at the same step, not with an uninterrupted run
+    without it."""
+    meta = pool.meta
+    changes = {}
+    new = _apply_lr(stored, model_cfg, o.override)
+    if new != stored:
+        if new.dense_lr != stored.dense_lr:
+            changes["dense_lr"] = [stored.dense_lr, new.dense_lr]
+        if new.embedding_optimizer.lr != stored.embedding_optimizer.lr:
+            changes["lr"] = [stored.embedding_optimizer.lr, new.embedding_optimizer.lr]
+    if "data" in o.override and o.data != meta.get("data"):
+        changes["data"] = [meta.get("data"), o.data]
+    if not changes:
+        return stored
+    history = list(meta.get("history") or []) + [{"step": step, "override": changes}]
+    pool.set_meta(model=new.to_dict(), data=o.data if "data" in changes else meta.get("data"), history=history)
+    log(f"--override: from step {step} on, " + "; ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
+        + " (recorded in the pool's history)")
+    return new
+
+
+def _apply_lr(stored: ModelConfig, cfg: ModelConfig | None, override) -> ModelConfig:
+    if cfg is None:
+        return stored
+    out = stored
+    if "dense_lr" in override:
+        out = replace(out, dense_lr=cfg.dense_lr)
+    if "lr" in override:
+        out = replace(out, embedding_optimizer=replace(out.embedding_optimizer, lr=cfg.embedding_optimizer.lr))
+    return out

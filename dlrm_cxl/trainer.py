@@ -127,6 +127,11 @@ class Trainer:
                     f"{self.pool.path} holds tables but no checkpoint: its creation was interrupted "
                     f"before the first commit", hint="start over with --fresh")
             self._load_dense(state)
+            last = (self.pool.meta.get("history") or [{}])[-1]
+            if "data" in last.get("override", {}) and last.get("step") == self.step:
+                # --override data at this step: the new file is read from its start (the
+                # position in the state is the old file's)
+                self._positions = {self.step: None}
             if o.checkpoint == "undo":
                 self.witness = replay_witnesses(self.pool)
         meta = self.pool.meta
@@ -168,6 +173,8 @@ class Trainer:
     def _load_dense(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.dense_opt.load_state_dict(state["optimizer"])
+        for group in self.dense_opt.param_groups:  # (the pool's, which --override dense_lr may have changed)
+            group["lr"] = self.cfg.dense_lr
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
