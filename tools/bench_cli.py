@@ -74,12 +74,14 @@ def torchrec_worker(preset: str, steps: int, threads: int | None) -> None:
 
 
 def run_cli(preset: str, tier: str, checkpoint: str, steps: int, work: Path, threads: int | None,
-            root: Path = _ROOT) -> dict:
+            root: Path = _ROOT, extra: list[str] | None = None) -> dict:
     pool = work / f"pool-{tier}-{checkpoint}"
     cmd = [sys.executable, "-m", "dlrm_cxl", "train", "--pool", str(pool), "--preset", preset, "--tier", tier,
            "--checkpoint", checkpoint, "--steps", str(steps), "--fresh", "--json", "--no-progress"]
     if threads:
         cmd += ["--threads", str(threads)]
+    if extra and checkpoint == "undo":
+        cmd += extra
     # (python -m runs the package of the working directory: this checkout's, or the baseline's)
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     if p.returncode != 0:
@@ -98,6 +100,8 @@ def main(argv=None) -> int:
                    help="comma-separated: '<tier> <none|undo>' or 'torchrec'")
     p.add_argument("--workdir", type=Path, help="where pools go (default: a new directory under $TMPDIR)")
     p.add_argument("--baseline", type=Path, help="another checkout: its CLI runs every pool variant too")
+    p.add_argument("--undo-args", default="", help="more train flags for this checkout's undo variants (not the "
+                   "baseline's), e.g. '--window 1' against a baseline from before recovery windows")
     p.add_argument("--torchrec-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.torchrec_worker:
@@ -129,7 +133,8 @@ def main(argv=None) -> int:
             else:
                 *base, tier, ck = v.split()
                 res[v].append(run_cli(a.preset, tier, ck, a.steps, work, a.threads,
-                                      a.baseline.resolve() if base else _ROOT))
+                                      a.baseline.resolve() if base else _ROOT,
+                                      extra=None if base else a.undo_args.split()))
             line.append(f"{v} {res[v][-1]['samples_per_s']:,.0f}")
         print(f"  round {r + 1}/{a.rounds}: " + " | ".join(line), flush=True)
     ref = statistics.median(x["samples_per_s"] for x in res["torchrec"]) if "torchrec" in res else None
