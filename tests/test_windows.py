@@ -197,10 +197,10 @@ def test_a_non_deterministic_step_gives_a_typed_error_and_the_last_step_that_agr
     assert killed(cli.run(["train", "--pool", pool, *flags("pmem", "--window", W), "--steps", N,
                            "--crash-at", "8:before-commit"]))
     # The second replayed step (6) computes a loss one ulp away from its record.
-    import dlrm_cxl.trainer as trainer_mod
+    import dlrm_cxl.step as step_mod
     from dlrm_cxl.cli import main
 
-    real = trainer_mod.F.binary_cross_entropy_with_logits
+    real = step_mod.F.binary_cross_entropy_with_logits
     calls = {"n": 0}
 
     def bce(*a, **kw):
@@ -208,7 +208,7 @@ def test_a_non_deterministic_step_gives_a_typed_error_and_the_last_step_that_agr
         calls["n"] += 1
         return torch.nextafter(loss, torch.tensor(1e9)) if calls["n"] == 2 else loss
 
-    monkeypatch.setattr(trainer_mod.F, "binary_cross_entropy_with_logits", bce)
+    monkeypatch.setattr(step_mod.F, "binary_cross_entropy_with_logits", bce)
     assert main(["recover", "--pool", str(pool)]) == 11
     err = capsys.readouterr().err
     assert "replay of step 6: its loss differs" in err and "stays at step 5" in err, err
