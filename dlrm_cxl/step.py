@@ -26,6 +26,8 @@ Paths (:func:`make_path`):
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +41,7 @@ def phase(name: str):
     return torch.profiler.record_function(f"dlrm_cxl.{name}")
 
 
-class StepPath:
+class StepPath(abc.ABC):
     """See the module docstring. ``model``: the PoolDLRM; ``sparse_opt``: its SparseOptimizer;
     ``dense_opt``: the dense optimizer."""
 
@@ -48,15 +50,15 @@ class StepPath:
     def __init__(self, model, sparse_opt, dense_opt):
         self.model, self.sparse_opt, self.dense_opt = model, sparse_opt, dense_opt
 
+    @abc.abstractmethod
     def forward(self, batch, plan) -> tuple[torch.Tensor, object, torch.Tensor]:
         """(the loss to differentiate, the loss to report and check -- a tensor or a float --, the
         pooled embeddings whose gradient the update needs)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def backward_and_update(self, ck, k: int, loss: torch.Tensor, pooled: torch.Tensor, plan) -> None:
         """Backward, the write-ahead barrier (``ck.persist()``), the rows' in-place update and the
         dense optimizer step (inside ``ck.update``)."""
-        raise NotImplementedError
 
     def _apply(self, ck, updates) -> None:
         # "mid-update" fires after half of the tables (after the first, with one table).

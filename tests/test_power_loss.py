@@ -374,6 +374,58 @@ def test_a_real_power_loss_keeps_a_synced_write_even_when_its_undo_entry_reached
             copied.close()
 
 
+def test_a_real_power_loss_right_after_a_directory_sync_leaves_the_log_able_to_undo_it(tmp_path):
+    """Write-ahead for the layer's own log (``fileio._log_first``): a directory's fsync makes
+    durable every name changed in it -- here a new run file and a manifest renamed over the old
+    one. The rename's undo entry must be durable by then: a power loss right after that fsync
+    (before the layer's markers) otherwise kept the new manifest with no entry to undo it, while
+    the run's creation entry, synced earlier with the run's data, was undone -- a manifest naming
+    a missing run (seen once in the loop-device test above). ext4 on a loop device, frozen and
+    copied inside the fsync; with ``_log_first`` removed this test fails."""
+    why = _can_loop()
+    if why:
+        pytest.skip(why)
+    loop = _Loop(tmp_path / "disk.img", tmp_path / "mnt", make=True)
+    runs = loop.mnt / "pool" / "runs"
+    copied = None
+    try:
+        runs.mkdir(parents=True)
+        _write_file(runs / "MANIFEST", b"old", sync=True, sync_dir=True)
+        fileio.fsync_dir(runs.parent)
+        fileio.watch(runs.parent)
+        real = os.fsync
+        try:
+            _write_file(runs / "run-1.bin", b"r" * 4096, sync=True, sync_dir=False)  # its creation entry: synced
+            _write_file(runs / "MANIFEST.tmp", b"new", sync=True, sync_dir=False)
+            fileio.rename(runs / "MANIFEST.tmp", runs / "MANIFEST")
+
+            def fsync_then_power_loss(fd):
+                real(fd)
+                os.fsync = real
+                loop.freeze_and_copy(tmp_path / "after.img")
+
+            os.fsync = fsync_then_power_loss
+            try:
+                fileio.fsync_dir(runs)
+            except OSError:
+                pass  # (the markers after the sync meet the frozen device)
+        finally:
+            os.fsync = real
+            fileio.unwatch(runs.parent)
+    finally:
+        loop.close()
+    try:
+        copied = _Loop(tmp_path / "after.img", tmp_path / "mnt2", make=False)
+        fileio.power_on(copied.mnt / "pool")
+        after = copied.mnt / "pool" / "runs"
+        manifest, run = (after / "MANIFEST").read_bytes(), (after / "run-1.bin").exists()
+        assert manifest in (b"old", b"new")
+        assert (manifest == b"new") == run, (manifest, run)  # never a manifest naming a missing run
+    finally:
+        if copied is not None:
+            copied.close()
+
+
 def test_a_reused_segment_whose_records_never_came_is_not_damage_after_a_power_loss(tmp_path):
     """A reclaimed segment reused for new records gets a new header, synced before its rename
     (``Journal._reuse_free``): a power loss before the first record must leave a segment that
