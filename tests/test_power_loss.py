@@ -374,14 +374,22 @@ def test_a_real_power_loss_keeps_a_synced_write_even_when_its_undo_entry_reached
             copied.close()
 
 
-def test_a_real_power_loss_right_after_a_directory_sync_leaves_the_log_able_to_undo_it(tmp_path):
-    """Write-ahead for the layer's own log (``fileio._log_first``): a directory's fsync makes
-    durable every name changed in it -- here a new run file and a manifest renamed over the old
-    one. The rename's undo entry must be durable by then: a power loss right after that fsync
-    (before the layer's markers) otherwise kept the new manifest with no entry to undo it, while
-    the run's creation entry, synced earlier with the run's data, was undone -- a manifest naming
-    a missing run (seen once in the loop-device test above). ext4 on a loop device, frozen and
-    copied inside the fsync; with ``_log_first`` removed this test fails."""
+@pytest.mark.parametrize("when", ["inside", "after"])
+def test_a_real_power_loss_right_after_a_directory_sync_leaves_the_log_able_to_undo_it(tmp_path, when):
+    """The layer's log around a directory's fsync, which makes durable every name changed in the
+    directory -- here a new run file and a manifest renamed over the old one.
+
+    * ``inside`` (write-ahead for the log, ``fileio._log_first``): the rename's undo entry must be
+      durable before that fsync. A power loss right after it (before the layer's markers) otherwise
+      kept the new manifest with no entry to undo it, while the run's creation entry, synced
+      earlier with the run's data, was undone: a manifest naming a missing run (seen once in the
+      loop-device test above). Either state is fine, but never that one.
+    * ``after`` (the marker's sync, ``fsync_dir``'s ``sync_log``): once the fsync has returned the
+      names are durable, and the marker that says so must be too: else the power loss took back
+      a rename the file system had made durable.
+
+    ext4 on a loop device, frozen and copied inside or right after the fsync; with either sync
+    removed, its case fails."""
     why = _can_loop()
     if why:
         pytest.skip(why)
@@ -404,11 +412,15 @@ def test_a_real_power_loss_right_after_a_directory_sync_leaves_the_log_able_to_u
                 os.fsync = real
                 loop.freeze_and_copy(tmp_path / "after.img")
 
-            os.fsync = fsync_then_power_loss
-            try:
+            if when == "inside":
+                os.fsync = fsync_then_power_loss
+                try:
+                    fileio.fsync_dir(runs)
+                except OSError:
+                    pass  # (the markers after the sync meet the frozen device)
+            else:
                 fileio.fsync_dir(runs)
-            except OSError:
-                pass  # (the markers after the sync meet the frozen device)
+                loop.freeze_and_copy(tmp_path / "after.img")
         finally:
             os.fsync = real
             fileio.unwatch(runs.parent)
@@ -421,6 +433,8 @@ def test_a_real_power_loss_right_after_a_directory_sync_leaves_the_log_able_to_u
         manifest, run = (after / "MANIFEST").read_bytes(), (after / "run-1.bin").exists()
         assert manifest in (b"old", b"new")
         assert (manifest == b"new") == run, (manifest, run)  # never a manifest naming a missing run
+        if when == "after":
+            assert manifest == b"new" and run  # what the fsync made durable stays
     finally:
         if copied is not None:
             copied.close()

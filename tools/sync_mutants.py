@@ -6,7 +6,8 @@ the power-loss tests run against it. Every mutant must be caught (some test fail
 
 A site is a call of ``fileio.fdatasync``, ``fileio.fsync``, ``fsync_dir`` (and ``FileRegion.sync``,
 the image's ``fdatasync``, through ``fileio.fdatasync``) in ``memory_pool/`` and ``checkpointing/``,
-plus the layer's own sync of its undo log (``memory_pool/fileio.py``'s ``sync_log``). A mutant is
+plus the layer's own sync of its undo log (``memory_pool/fileio.py``'s ``sync_log``, and each call
+of it: after a sync's markers, and before a real sync, ``_log_first``). A mutant is
 a copy of the repository's Python packages with that one call replaced by a call that does
 nothing (its arguments still evaluated), run with ``PYTHONPATH`` pointing at the copy.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("memory_pool", "checkpointing", "dlrm_cxl")
 SCANNED = ("memory_pool", "checkpointing")
-CALL = re.compile(r"\b(fileio\.fdatasync|fileio\.fsync_dir|fileio\.fsync|fsync_dir|os\.fdatasync)\(")
+CALL = re.compile(r"\b(fileio\.fdatasync|fileio\.fsync_dir|fileio\.fsync|fsync_dir|os\.fdatasync|sim\.sync_log)\(")
 NOOP = "(lambda *_a, **_k: None)("
 DEFAULT_TESTS = ["tests/test_power_loss.py", "tests/test_pool.py::test_power_sim_keeps_exactly_the_persisted_rows_after_sigkill",
                  "tests/test_overlay.py", "tests/test_journal.py",
@@ -72,7 +73,7 @@ def sites(repo: Path = REPO) -> list[Site]:
                     code = line[:m.start()]
                     if "#" in code:
                         continue  # in a comment
-                    if rel == "memory_pool/fileio.py" and not in_sync_log:
+                    if rel == "memory_pool/fileio.py" and not in_sync_log and callee != "sim.sync_log":
                         continue  # the layer's own operations are the mechanism, not sites
                     if callee == "os.fdatasync" and rel != "memory_pool/fileio.py":
                         continue
