@@ -40,7 +40,7 @@ from torch import nn
 from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from memory_pool import InvalidIdsError, MemoryPool, Table
+from memory_pool import InvalidIdsError, MemoryPool, Table, TouchedRows
 
 from .data.batch import criteo_feature_names
 
@@ -176,6 +176,8 @@ class SparsePlan:
     values: torch.Tensor | None = None   # fused path: the KJT's ids (int64) and bag offsets
     kjt_offsets: torch.Tensor | None = None
     cache_seq: int | None = None         # fused path on a DRAM cache: the batch's number (prefetch)
+    global_rows: torch.Tensor | None = None  # fused path: ``rows`` of all features in one numbering
+    row_base: torch.Tensor | None = None     # (feature f's row r is row_base[f] + r)
 
 
 # --------------------------------------------------------------------------- model
@@ -277,6 +279,7 @@ class PoolDLRM(nn.Module):
             uniq = torch.unique(shifted, sorted=True).to(torch.int64)
             cut = torch.searchsorted(uniq, base).tolist()
             plan.rows = [uniq[cut[f]:cut[f + 1]] - base[f] for f in range(len(self.features))]
+            plan.global_rows, plan.row_base = uniq, base
             if self.cache_bags is not None:  # (lookahead: the rows read into the DRAM cache now)
                 plan.cache_seq = self.cache_bags.prefetch(plan.rows)
             return plan
@@ -441,14 +444,20 @@ class SparseOptimizer:
             if cfg.initial_accumulator:
                 t.load_(torch.full((n, 1), float(cfg.initial_accumulator)))
 
-    def touched(self, plan: SparsePlan) -> list[tuple[Table, torch.Tensor]]:
-        """Every (table, rows) this step will change: what the undo log must save first."""
-        out = []
+    def touched(self, plan: SparsePlan) -> TouchedRows:
+        """Every (table, rows) this step will change: what the undo log must save first. With
+        the plan's rows of all features in one numbering when it has them (the fused path), so
+        that the recovery window's first-touch bookkeeping is one array operation a step."""
+        out, member = [], []
         for f, t in enumerate(self.tables):
             out.append((t, plan.rows[f]))
+            member.append(f)
             if self.state_tables[f] is not None:
                 out.append((self.state_tables[f], plan.rows[f]))
-        return out
+                member.append(f)
+        if plan.global_rows is None or len(self.tables) != len(plan.row_base) - 1:
+            return TouchedRows(out)
+        return TouchedRows(out, global_rows=plan.global_rows, base=plan.row_base, member=member)
 
     def compute(self, plan: SparsePlan, pooled_grad: torch.Tensor,
                 before: dict[str, torch.Tensor] | None = None) -> list[RowUpdate]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
 
-__all__ = ["one_intra_op_thread"]
+__all__ = ["one_intra_op_thread", "intra_op_threads"]
 
 _lock = threading.Lock()
 
@@ -29,3 +30,25 @@ def one_intra_op_thread() -> None:
         reset = threading.Thread(target=torch.set_num_threads, args=(default,), name="dlrm-cxl-thread-default")
         reset.start()
         reset.join()
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """The calling thread's torch ops run on ``n`` threads inside the block (its own count is
+    put back after it; 0.2 us a switch).
+
+    For short, memory-bound work done on the trainer's thread between the step's ops (the
+    inline journal writer's gathers and copies, ``checkpointing.undo``): measured on this 2-core
+    machine, gathering a step's 8.6k first-touched rows of `small` took 1.45 ms as a parallel
+    op of two threads and 0.64 ms on one. A two-thread team waits at its barrier for a member
+    that another thread of the process (the prefetch thread) has preempted, and the other
+    member spins meanwhile; one thread copies at about the same memory bandwidth alone."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

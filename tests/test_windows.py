@@ -275,3 +275,69 @@ def test_bad_window_flags_are_refused_with_exit_2(cli, root):
     assert r.returncode == 2 and "--window must be an integer >= 1" in r.stderr, r.stderr[-1000:]
     r = cli.run(["train", "--pool", root / "bad-b", *flags("shm", "--recovery-budget", -1), "--steps", 2])
     assert r.returncode == 2 and "--recovery-budget" in r.stderr, r.stderr[-1000:]
+
+
+class _T:
+    """A table as WindowRows sees it (a name and a row count)."""
+
+    def __init__(self, name: str, n: int):
+        self.name, self.num_embeddings = name, n
+
+
+def _steps_of_rows(seed: int, sizes, steps: int):
+    """Random steps of distinct sorted rows per table, in both forms: per pair, and in one
+    numbering (memory_pool.TouchedRows with global_rows), as the fused plan gives them."""
+    from memory_pool import TouchedRows
+
+    g = torch.Generator().manual_seed(seed)
+    tables = [_T(f"t{i}", n) for i, n in enumerate(sizes)]
+    states = [_T(f"s{i}", n) for i, n in enumerate(sizes)]
+    base = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0)), dtype=torch.int64)
+    out = []
+    for _ in range(steps):
+        rows = [torch.unique(torch.randint(0, n, (max(1, n // 3),), generator=g)) for n in sizes]
+        pairs, member = [], []
+        for f, (t, s) in enumerate(zip(tables, states)):
+            pairs += [(t, rows[f]), (s, rows[f])]
+            member += [f, f]
+        glob = torch.cat([r + base[f] for f, r in enumerate(rows)])
+        out.append((pairs, TouchedRows(pairs, global_rows=glob, base=base, member=member)))
+    return out
+
+
+def _as_sets(pairs):
+    return {(t.name, int(i)) for t, ids in pairs for i in ids}
+
+
+def test_first_touch_in_one_numbering_gives_the_same_rows_as_per_table():
+    """The fused path's one-bitmap first-touch bookkeeping (checkpointing.window) against the
+    per-table bitmaps, over windows of random steps: the same rows first touched at every step,
+    the same rows for the window's after-images, and the same after a reset."""
+    from checkpointing.window import WindowRows
+
+    per_table, one = WindowRows(), WindowRows()
+    steps = _steps_of_rows(0, [50, 7, 300, 1], 12)
+    differed = 0
+    for k, (pairs, touched) in enumerate(steps):
+        a, ca = per_table.first_touch(pairs)
+        b, cb = one.first_touch(touched)
+        assert _as_sets(a) == _as_sets(b) and ca == cb
+        assert [t.name for t, _ in a] == [t.name for t, _ in b]
+        differed += _as_sets(a) != _as_sets(pairs)
+        assert _as_sets(per_table.touched_rows()) == _as_sets(one.touched_rows())
+        if k % 5 == 4:
+            per_table.reset()
+            one.reset()
+    assert differed >= 6  # (later steps of a window touch fewer rows first: the check is not vacuous)
+
+
+def test_first_touch_moves_to_per_table_bitmaps_when_a_step_comes_without_one_numbering():
+    from checkpointing.window import WindowRows
+
+    ref, mixed = WindowRows(), WindowRows()
+    steps = _steps_of_rows(1, [40, 9, 120], 6)
+    for k, (pairs, touched) in enumerate(steps):
+        a, _ = ref.first_touch(pairs)
+        b, _ = mixed.first_touch(touched if k % 2 == 0 else pairs)
+        assert _as_sets(a) == _as_sets(b)
+        assert _as_sets(ref.touched_rows()) == _as_sets(mixed.touched_rows())
