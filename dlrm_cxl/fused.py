@@ -326,19 +326,27 @@ class CachedFusedEmbeddingBags:
     def __repr__(self) -> str:
         return f"CachedFusedEmbeddingBags({len(self.arena.groups)} tables, {self.arena.nbytes:,} bytes of DRAM)"
 
-    def prefetch(self, rows) -> int:
-        """A planned batch's distinct rows per table: returns its sequence number."""
-        return self.arena.prefetch(rows)
+    def numbers_rows_as(self, row_base: torch.Tensor) -> bool:
+        """Whether the arena numbers the tables' rows as ``row_base`` does (table ``f``'s row
+        ``r`` is ``row_base[f] + r``): then a plan's rows in that numbering go in as they are."""
+        return torch.equal(self.arena._row_base, row_base)
 
-    def __call__(self, values: torch.Tensor, offsets: torch.Tensor, rows, seq: int | None = None) -> torch.Tensor:
+    def prefetch(self, rows, flat: torch.Tensor | None = None) -> int:
+        """A planned batch's distinct rows per table (``flat``: the same in the arena's
+        numbering, if the caller has it): returns its sequence number."""
+        return self.arena.prefetch(rows, flat)
+
+    def __call__(self, values: torch.Tensor, offsets: torch.Tensor, rows, seq: int | None = None,
+                 flat: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled embeddings of a batch (``values``/``offsets`` as the KJT's; ``rows``: its
-        sorted distinct rows per table; ``seq``: what :meth:`prefetch` returned, if it was)."""
+        sorted distinct rows per table; ``seq``: what :meth:`prefetch` returned, if it was;
+        ``flat``: ``rows`` in the arena's numbering, if the caller has it)."""
         T = len(self.arena.groups)
         B = (offsets.numel() - 1) // T
         lengths = (offsets[B::B] - offsets[:-1:B]).tolist()
-        seq, slots = self.arena.begin(rows, values, lengths, seq)
+        seq, slots = self.arena.begin(rows, values, lengths, seq, flat)
         arena = self.arena
-        return self.bags(slots, offsets, after_update=lambda: arena.end(rows, seq))
+        return self.bags(slots, offsets, after_update=lambda: arena.end(rows, seq, flat))
 
 
 def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,

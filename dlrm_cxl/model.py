@@ -217,6 +217,16 @@ class PoolDLRM(nn.Module):
             base.append(base[-1] + t.num_embeddings)
         self._row_base = torch.tensor(base, dtype=torch.int64)
 
+    def _cache_rows(self, plan: SparsePlan) -> torch.Tensor | None:
+        """The plan's rows in the DRAM cache arena's numbering, when it numbers them as the plan
+        does (it caches every table of this model, in order): one tensor for the whole batch."""
+        if plan.global_rows is None:
+            return None
+        same = getattr(self, "_cache_same_numbering", None)
+        if same is None:
+            same = self._cache_same_numbering = self.cache_bags.numbers_rows_as(self._row_base)
+        return plan.global_rows if same else None
+
     def _check_ids(self, keys, values: torch.Tensor, bounds: list[int]) -> None:
         """Every id in range, all features at once; on failure the per-feature check names the
         feature and the id. Nothing has changed when this raises."""
@@ -281,7 +291,7 @@ class PoolDLRM(nn.Module):
             plan.rows = [uniq[cut[f]:cut[f + 1]] - base[f] for f in range(len(self.features))]
             plan.global_rows, plan.row_base = uniq, base
             if self.cache_bags is not None:  # (lookahead: the rows read into the DRAM cache now)
-                plan.cache_seq = self.cache_bags.prefetch(plan.rows)
+                plan.cache_seq = self.cache_bags.prefetch(plan.rows, self._cache_rows(plan))
             return plan
         lengths = kjt.lengths().to(torch.int64)
         for f in self.features:
@@ -337,7 +347,7 @@ class PoolDLRM(nn.Module):
         """Returns (logits [B], pooled [B, F*D] from the fused kernel). ``loss.backward()`` then
         updates the batch's rows and their optimizer state in the pool, in place."""
         if self.cache_bags is not None:  # (it readies the rows it reads from the pool itself)
-            pooled = self.cache_bags(plan.values, plan.kjt_offsets, plan.rows, plan.cache_seq)
+            pooled = self.cache_bags(plan.values, plan.kjt_offsets, plan.rows, plan.cache_seq, self._cache_rows(plan))
             sparse = pooled.to(self.dense_device).view(plan.batch_size, len(self.features), self.cfg.embedding_dim)
             return self.forward_pooled(dense, sparse), pooled
         pool = self._fused_pool

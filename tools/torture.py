@@ -2,7 +2,7 @@
 """Torture test: SIGKILL ``dlrm-cxl train`` from outside at random moments, recover, resume.
 
     python tools/torture.py --trials M [--steps N] [--tiers pmem,power-sim,shm] [--preset tiny]
-                            [--seed S] [--pool-dir DIR] [--window W] [--threads T]
+                            [--seed S] [--pool-dir DIR] [--window W] [--threads T] [--dram-cache SIZE]
                             [--min-rolled-back F] [--fresh-left F] [--fresh-processes]
     python tools/torture.py --quick     # CI: power-sim, pmem and shm, 3 trials each, 30 steps, tiny
 
@@ -604,9 +604,11 @@ def summary_line(label: str, c: dict) -> str:
             f"{c['after_end']} after end (not counted)")
 
 
-def _flags(*, tier: str, preset: str, seed: int, window: int | None, threads: int) -> list[str]:
+def _flags(*, tier: str, preset: str, seed: int, window: int | None, threads: int,
+           dram_cache: str | None = None) -> list[str]:
     return ["--preset", preset, "--tier", tier, "--seed", str(seed),
             *(["--window", str(window)] if window is not None else []),
+            *(["--dram-cache", dram_cache] if dram_cache else []),
             "--threads", str(threads)]
 
 
@@ -620,7 +622,7 @@ def start_uninterrupted(pool: Path, steps: int, flags: list[str]) -> subprocess.
 
 def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str, seed: int, pool_dir: Path,
                  window: int | None = None, threads: int = 1, fresh_left: float = 0.25, log=print,
-                 uninterrupted: subprocess.Popen | None = None) -> TierResult:
+                 uninterrupted: subprocess.Popen | None = None, dram_cache: str | None = None) -> TierResult:
     """The torture of one tier (see the module docstring); ``runner`` runs the trials' processes;
     ``uninterrupted``: the reference run of :func:`start_uninterrupted` if already started."""
     res = TierResult(tier, trials)
@@ -630,7 +632,7 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
     ref_pool, uninterrupted_pool, pool = pool_dir / "reference", pool_dir / "uninterrupted", pool_dir / "trial"
     for p in (ref_pool, pool):
         _remove_pool(p)
-    flags = _flags(tier=tier, preset=preset, seed=seed, window=window, threads=threads)
+    flags = _flags(tier=tier, preset=preset, seed=seed, window=window, threads=threads, dram_cache=dram_cache)
 
     # 1. references: stepped (every k, in the runner) and uninterrupted (a fresh process), side by side.
     t0 = time.perf_counter()
@@ -787,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=None,
                    help="the trainer's --window (default: none given, the recovery budget chooses)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every run (default 1)")
+    p.add_argument("--dram-cache", default=None, metavar="SIZE",
+                   help="the trainer's --dram-cache (tables behind a DRAM cache arena of SIZE; every run, "
+                        "the references included)")
     p.add_argument("--pool-dir", type=Path, help="where the pools go (default: a temporary directory, removed)")
     p.add_argument("--min-rolled-back", type=float, default=None,
                    help="fail when fewer than this fraction of the trials rolled back >= 1 step "
@@ -822,14 +827,15 @@ def main(argv: list[str] | None = None) -> int:
         # The uninterrupted references (fresh processes) start at once, beside the fork server's start-up.
         for tier in tiers:
             full[tier] = start_uninterrupted(Path(root) / tier / "uninterrupted", a.steps, _flags(
-                tier=tier, preset=a.preset, seed=a.seed, window=a.window, threads=a.threads))
+                tier=tier, preset=a.preset, seed=a.seed, window=a.window, threads=a.threads,
+                dram_cache=a.dram_cache))
         runner = Cli(fresh=a.fresh_processes, env=BAR_ENV)
         for i, tier in enumerate(tiers):
             n = a.trials // len(tiers) + (i < a.trials % len(tiers))  # --trials in all, split over the tiers
             results.append(torture_tier(runner, trials=n, steps=a.steps, tier=tier, preset=a.preset,
                                         seed=a.seed, pool_dir=Path(root) / tier, window=a.window,
                                         threads=a.threads, fresh_left=a.fresh_left, log=log,
-                                        uninterrupted=full[tier]))
+                                        uninterrupted=full[tier], dram_cache=a.dram_cache))
     finally:
         for proc in full.values():
             if proc.poll() is None:
