@@ -329,7 +329,7 @@ class CachedFusedEmbeddingBags:
     def numbers_rows_as(self, row_base: torch.Tensor) -> bool:
         """Whether the arena numbers the tables' rows as ``row_base`` does (table ``f``'s row
         ``r`` is ``row_base[f] + r``): then a plan's rows in that numbering go in as they are."""
-        return torch.equal(self.arena._row_base, row_base)
+        return torch.equal(self.arena.row_base, row_base)
 
     def prefetch(self, rows, flat: torch.Tensor | None = None) -> int:
         """A planned batch's distinct rows per table (``flat``: the same in the arena's

@@ -283,6 +283,11 @@ class CacheArena:
     def nbytes(self) -> int:
         return self.cfg.nbytes
 
+    @property
+    def row_base(self) -> torch.Tensor:
+        """``[groups + 1]``: group ``g``'s row ``r`` is row ``row_base[g] + r`` of the arena's numbering."""
+        return self._row_base
+
     def offset(self, member: int, group: int) -> int:
         """Element offset of group ``group`` in :attr:`flat` ``[member]``."""
         return self.offsets[member][group]
@@ -319,8 +324,8 @@ class CacheArena:
         return out
 
     def _flat_rows(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch's rows of every group in one numbering (group ``g``'s row ``r`` is
-        ``_row_base[g] + r``; ``flat``, if the caller has it already) and the rows per group."""
+        """A batch's rows of every group in :attr:`row_base`'s numbering (``flat``, if the caller
+        has it already) and the rows per group."""
         counts = torch.tensor([ids.numel() for ids in rows], dtype=torch.int64)
         if flat is None:
             flat = torch.cat([ids + self._row_base[gi] for gi, ids in enumerate(rows)]) if rows else \
@@ -447,12 +452,8 @@ class CacheArena:
         read = skipped = 0
         for gi in range(len(self.groups)):
             if cut[gi + 1] > cut[gi]:
-                k = self._admit(gi, missed[cut[gi]:cut[gi + 1]] - self._row_base[gi], seq, steal=steal,
-                                batch=rows[gi])
-                if k < 0:
-                    skipped += 1
-                else:
-                    read += k
+                k = self._admit(gi, missed[cut[gi]:cut[gi + 1]] - self._row_base[gi], seq, steal=steal, batch=rows[gi])
+                skipped, read = (skipped + 1, read) if k < 0 else (skipped, read + k)
         return flat.numel(), read, skipped
 
     def _admit(self, gi: int, miss: torch.Tensor, seq: int, *, steal: bool, batch: torch.Tensor) -> int:
@@ -494,12 +495,11 @@ class CacheArena:
         return m
 
     def _victims(self, g: "_Group", m: int) -> torch.Tensor | None:
-        """``m`` slots of group ``g`` that no running or planned batch needs, chosen by a clock
-        (CLOCK, second chance: a slot needed again since the hand last passed it is passed over
-        once, and loses its bit), in chunks from the hand: O(m) a step, not O(slots) (a scan of
-        every slot's stamp took ~9 ms a step on `small` and more on `kaggle`, whose cache holds
-        8.4 M slots). Bagpipe's rule holds: a slot a planned batch needs is never taken here.
-        None when two turns of the hand find fewer than ``m``."""
+        """``m`` slots of group ``g`` that no running or planned batch needs (Bagpipe's rule),
+        chosen by a clock (CLOCK, second chance: a slot needed again since the hand last passed
+        it is passed over once, and loses its bit), in chunks from the hand: O(m) a step, not
+        O(slots) (a scan of every stamp: ~9 ms a step on `small`, far more on `kaggle`'s 8.4 M
+        slots). None when two turns of the hand find fewer than ``m``."""
         S = g.stamp.numel()
         floor = self._floor
         found: list[torch.Tensor] = []
@@ -524,9 +524,7 @@ class CacheArena:
             looked += last
         for idx, old in found:
             g.stamp[idx] = old  # (the caller stamps the victims it uses)
-        if need:
-            return None
-        return found[0][0] if len(found) == 1 else torch.cat([idx for idx, _ in found])
+        return None if need else torch.cat([idx for idx, _ in found])
 
     # -- the pool's own reads and writes of cached tables (CacheMember)
     def read_rows(self, gi: int, member: int, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
