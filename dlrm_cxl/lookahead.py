@@ -12,9 +12,12 @@ planned batches are K batches of lookahead (plus the one the thread is making).
 
 from __future__ import annotations
 
-from memory_pool.residency import pool_memory
+import time
 
-__all__ = ["DEFAULT_PREFETCH_BATCHES", "cache_report", "validate_prefetch_batches", "check_cache_budget"]
+from memory_pool.residency import page_cache_bytes, pool_memory, process_memory
+
+__all__ = ["DEFAULT_PREFETCH_BATCHES", "cache_report", "validate_prefetch_batches", "check_cache_budget",
+           "WorkingCopyBound"]
 
 # Measured on `small` with a quarter of the tables as the budget (README): 2 and 4 batches of
 # lookahead gave the same step time within noise; more only holds more slots for later batches.
@@ -26,7 +29,7 @@ def validate_prefetch_batches(k) -> None:
         raise ValueError(f"--prefetch-batches must be an int >= 1, got {k!r}")
 
 
-def cache_report(model, pool) -> dict:
+def cache_report(model, pool, bound=None) -> dict:
     """``{"cache": ..., "memory": ...}`` for a train summary's ``pool_stats``: the DRAM cache's
     counters (hit rate, rows prefetched, the time steps waited for rows; None without a cache)
     and the memory the process and the pool use against the DRAM budget
@@ -39,7 +42,10 @@ def cache_report(model, pool) -> dict:
         arena_bytes = arena.nbytes
         cache = {**arena.stats.as_dict(), "budget_bytes": arena.cfg.budget_bytes, "arena_bytes": arena.nbytes,
                  "slots": sum(g.slots for g in arena.cfg.groups), "rows": sum(g.rows for g in arena.cfg.groups)}
-    return {"cache": cache, "memory": pool_memory(pool, budget_bytes=pool.dram_cache_bytes, cache_bytes=arena_bytes)}
+    memory = pool_memory(pool, budget_bytes=pool.dram_cache_bytes, cache_bytes=arena_bytes)
+    if bound is not None:  # (a journaled pool's working copy given back: WorkingCopyBound)
+        memory.update(bound.as_dict())
+    return {"cache": cache, "memory": memory}
 
 
 def check_cache_budget(budget_bytes: int | None, cfg) -> None:
@@ -53,3 +59,81 @@ def check_cache_budget(budget_bytes: int | None, cfg) -> None:
     dims = (cfg.embedding_dim, 1) if cfg.embedding_optimizer.kind == "rowwise_adagrad" else (cfg.embedding_dim,)
     CacheArenaConfig.for_budget(budget_bytes, [(f, n, dims) for f, n in zip(cfg.feature_names, cfg.num_embeddings)],
                                 batch_rows=cfg.batch_size)
+
+
+class WorkingCopyBound:
+    """Keeps what a journaled pool holds in DRAM for its tables behind a DRAM cache arena near
+    the budget (issue 26).
+
+    Why: on emulated pmem and power-sim the working copy is a private mapping of the images, and
+    the cache's write-through stores every row a step changed into it: each page first written
+    becomes anonymous memory, held until the pool is closed; and each page a miss reads stays in
+    the page cache. Over a long run on a table larger than DRAM that is all of the table -- more
+    than the machine has. Here, at a recovery point (a window's end, its transaction handed to the
+    writer) where the working copy's anonymous pages (the growth of ``RssAnon`` since the last
+    trim, or since the trainer was built with the arena counted) plus the images' page cache
+    (``mincore``) exceed what the budget leaves beside the cache arena, the checkpointer is
+    drained and the working copy is given back (``MemoryPool.trim_working_copy``: the committed
+    rows into the images' page cache, the images mapped afresh, their clean pages dropped). So
+    the arena plus those pages stay within the budget plus one recovery window's pages (the
+    stated slack: a trim waits for a recovery point) plus the pages the kernel has not written
+    back yet (dirty, not droppable until written: the next trim drops them). The journal's own
+    page cache is reported beside it (README, "Tables larger than DRAM").
+
+    Only with ``--checkpoint undo``: without a journal the working copy's changes are nowhere
+    else. The pool keeps no row overlay then (``MemoryPool.bound_working_copy``): compactions
+    write every row home, page-granular.
+    """
+
+    MIN_ALLOWANCE = 0.125
+
+    def __init__(self, pool, names: list[str], budget: int, ckpt, arena_bytes: int = 0):
+        self.pool, self.names, self.budget, self.ckpt = pool, list(names), int(budget), ckpt
+        # The working copy may grow this much between trims: what the budget leaves beside the
+        # cache arena (at least MIN_ALLOWANCE of it, or a budget taken by the arena would trim
+        # at every recovery point for little).
+        self.allowance = max(self.budget - int(arena_bytes), int(self.MIN_ALLOWANCE * self.budget))
+        self.trims = 0
+        self.seconds = 0.0
+        # The process's anonymous memory without the working copy's pages: at first what it was
+        # when the trainer was built plus the arena (its slots are touched as rows come in), then
+        # what it is right after each trim (the steps' own buffers included).
+        self.floor = process_memory().get("rss_anon", 0) + int(arena_bytes)
+        self.peak = 0   # the most the working copy had grown above the floor, at a recovery point
+        self.images = [pool.table(n).region.path for n in self.names]
+        pool.bound_working_copy(self.names)
+
+    @classmethod
+    def for_trainer(cls, pool, model, ckpt, checkpoint: str):
+        """One for a trainer whose model has a DRAM cache over a journaled pool's tables
+        (``--checkpoint undo``), else None."""
+        bags = getattr(model, "cache_bags", None)
+        if bags is None or checkpoint != "undo" or not pool.journaled or not pool.dram_cache_bytes:
+            return None
+        if not bags.table_names:
+            return None
+        return cls(pool, bags.table_names, pool.dram_cache_bytes, ckpt, arena_bytes=bags.arena.nbytes)
+
+    def after_commit(self, step: int) -> bool:
+        """Called after step ``step``'s commit: trims at a recovery point when due. True if it did."""
+        if getattr(self.ckpt, "window_start", None) != step:
+            return False
+        anon = process_memory().get("rss_anon", 0)
+        grown = anon - self.floor + page_cache_bytes(self.images)
+        self.peak = max(self.peak, grown)
+        if grown <= self.allowance:
+            return False
+        t0 = time.perf_counter()
+        self.ckpt.drain()  # (the window's transaction durable, no compaction running)
+        done = self.pool.trim_working_copy(self.names)
+        self.trims += done
+        self.floor = process_memory().get("rss_anon", 0)
+        self.seconds += time.perf_counter() - t0
+        return done
+
+    def as_dict(self) -> dict:
+        """``trims``, ``trim_seconds``, ``working_copy_allowance_bytes`` and
+        ``peak_working_copy_bytes`` (the most the working copy's anonymous pages and the images'
+        page cache were found to hold at a recovery point)."""
+        return {"trims": self.trims, "trim_seconds": round(self.seconds, 3),
+                "working_copy_allowance_bytes": self.allowance, "peak_working_copy_bytes": self.peak}

@@ -30,7 +30,7 @@ from .data import Prefetcher, make_data_source
 from .errors import ReplayMismatchError, TrainingDivergedError
 from .evaluation import eval_source, evaluate
 from .metrics import open_metrics
-from .lookahead import cache_report
+from .lookahead import WorkingCopyBound, cache_report
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
@@ -112,6 +112,8 @@ class Trainer:
             extra["inline"] = self.writer == "inline"
         self.window_cfg = WindowConfig(window=o.window, recovery_budget=o.recovery_budget)
         self.ckpt = ckpt_cls(self.pool, self.live_dense_state, window=self.window_cfg, crash=self.crash, **extra)
+        # A journaled pool's working copy behind a DRAM cache, kept near the budget (lookahead.py).
+        self.bound = WorkingCopyBound.for_trainer(self.pool, self.model, self.ckpt, o.checkpoint)
         self.after_step: Callable[[int], None] | None = None   # (dlrm_cxl.replay's crash test)
         self.replayed = 0
         # Committed steps after the pool's recovery point (recovery windows): re-run and checked.
@@ -294,6 +296,8 @@ class Trainer:
                         metrics.step(k, losses[-1])
                         last_pos = pos
                         self.ckpt.observe_step(time.perf_counter() - ts)
+                        if self.bound is not None:
+                            self.bound.after_commit(k)
                         if self.after_step is not None:
                             self.after_step(k)
                         if self.crash is not None:
@@ -327,7 +331,7 @@ class Trainer:
             | ({"writer": self.writer} if o.checkpoint == "undo" else {}),
             recovered=self.recovery.as_dict() if self.recovery else None,
             replayed_steps=self.replayed, window=self.ckpt.window,
-            eval=evals, pool_stats={**self.pool.stats.as_dict(), **cache_report(self.model, self.pool)},
+            eval=evals, pool_stats={**self.pool.stats.as_dict(), **cache_report(self.model, self.pool, self.bound)},
             distributed=None if self.dist is None else {
                 "world_size": self.dist.world, "comm_seconds": self.dist.comm_seconds,
                 "coord_seconds": self.dist.coord_seconds})

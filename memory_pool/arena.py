@@ -36,6 +36,9 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_RANDOM = 1
 
 
 def page_round(n: int) -> int:
@@ -75,6 +78,12 @@ class Arena:
         prot = _PROT_READ | (_PROT_WRITE if writable or not shared else 0)
         flags = (_MAP_SHARED if shared else _MAP_PRIVATE) | _MAP_FIXED
         return _mmap(self.base + offset, max(nbytes, 1), prot, flags, fd, file_offset)
+
+    def advise_random(self, offset: int, nbytes: int) -> None:
+        """``MADV_RANDOM`` over ``[offset, offset + nbytes)``: a fault there reads its own page
+        of the file, not a readahead window around it (rows read a few at a time from a home far
+        larger than the DRAM budget would otherwise bring their neighbours into the page cache)."""
+        _libc.madvise(self.base + offset, page_round(max(nbytes, 1)), _MADV_RANDOM)
 
     def release(self, offset: int, nbytes: int) -> None:
         """Give ``[offset, offset + nbytes)`` back to the reservation: a file mapped there is

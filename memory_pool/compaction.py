@@ -83,6 +83,9 @@ class Compaction:
         # apply, wrote it there); those above are only in the journal (and this process).
         self._applied = max(self.since, journal.start_seq)
         self._unsynced: set[str] = set()   # tables written back since their last fdatasync
+        # Set by MemoryPool.bound_working_copy: no row overlay, so that trim() can map the
+        # images afresh (a row whose newest value is in a run only would read back old).
+        self.no_overlay = False
         if self.since > journal.start_seq:
             # Trusting the mark means trusting rows that an earlier process wrote into the
             # images' page cache and never synced: the next compaction, which drops their
@@ -227,11 +230,49 @@ class Compaction:
     @property
     def overlay_bound(self) -> int:
         """Bytes of runs the row overlay keeps (memory_pool/overlay.py); 0: no overlay."""
+        if self.no_overlay:
+            return 0
         env = env_mib("DLRM_CXL_RUNS_MB")
         if env is not None:
             return env
         used = sum(t.config.nbytes for t in self._tables.values())
         return DEFAULT_BOUND if self._journaled and used > OVERLAY_FROM_BYTES else 0
+
+    def bound(self, regions) -> None:
+        """``regions`` (tables behind a DRAM cache) are read a few rows at a time: no readahead
+        (``FileRegion.read_randomly``); and from now on no row overlay, so that :meth:`trim`
+        can work (a compaction then writes every row home, page-granular)."""
+        for r in regions:
+            getattr(r, "read_randomly", lambda: None)()
+        self.no_overlay = True
+
+    def trim(self, regions) -> bool:
+        """Give back what this process holds of ``regions`` on a journaled tier: the working
+        copy's copy-on-write pages (anonymous memory, else held until the pool is closed) and
+        the images' clean page cache. Every committed journal row is written into the images'
+        page cache (an :meth:`apply` pass over every segment, the one being written sealed
+        first), then each image is mapped afresh (``FileRegion.trim``).
+
+        Call order (``MemoryPool.trim_working_copy``): only at a recovery point with nothing in
+        flight -- the checkpointer drained -- so that every change of the working copy is in a
+        committed transaction: the fresh mappings then read the same values (a reader on another
+        thread, the DRAM cache's prefetch, reads the same bytes before and after). False, and
+        nothing done, with a row overlay (a row whose newest value is in a run only, not in its
+        image, would read back old: see :meth:`bound`)."""
+        self.wait()
+        if not self._journaled or self.overlay is not None:
+            return False
+        # Rows an on-demand replay has not applied yet: into the working copy now, so that none
+        # is applied later over a value a step wrote after the trim (the pass below writes them
+        # into the images too, as every journal row above the applied position).
+        self._apply_pending(runs=True)
+        self.journal.rotate()  # (the caller's writer is idle: see MemoryPool.trim_working_copy)
+        self.apply(min_bytes=1, wait=True)
+        self.check()
+        for r in regions:
+            r.trim()
+        self.stats.trims += 1
+        return True
 
     def _compaction_overlay(self) -> Overlay | None:
         """The overlay a compaction writes through: the pool's, or a new one when the pool

@@ -126,34 +126,39 @@ class MemoryPool:
         return Transaction(self, tag, doc)
 
     def persist_rows(self, pairs) -> int:
-        """Make ``[(table, ids)]`` durable now (trusted ids), in one group commit on a
-        journaled tier. Returns the row bytes persisted."""
+        """Make ``[(table, ids)]`` (trusted ids) durable now, in one group commit; row bytes."""
         self._check_writable()
         self._compaction.check()  # (a failed background compaction is reported here first)
         self.ready(pairs)
         return persist_rows(self.journal if self.journaled else None, pairs)
 
     def compact(self, before_seq: int | None = None, *, wait: bool = True) -> Future | None:
-        """Write journal segments back into the table images and drop them: every segment
-        whose records all precede ``before_seq`` (default: every complete segment). With
-        ``wait=False`` it runs on a background thread (one at a time; None if one is running).
-        The order of a compaction: ``Compaction.compact``."""
+        """Write journal segments back into the table images and drop them (the order:
+        ``Compaction.compact``): every segment whose records all precede ``before_seq`` (default:
+        every complete one). ``wait=False``: on a background thread (None if one is running)."""
         self._check_writable()
         if self.journal is None:
             return None
         return self._compaction.compact(before_seq, wait=wait)
 
     @property
-    def keeps_applied_mark(self) -> bool:
-        """Write-back passes (:meth:`apply`) shorten the replay after a crash (``Compaction``)."""
+    def keeps_applied_mark(self) -> bool:  # (apply passes shorten a crash's replay: Compaction)
         return self._compaction.keeps_applied_mark
 
     def apply(self, *, min_bytes: int = 1, wait: bool = False) -> Future | None:
         """Write the sealed journal segments not yet written back into the table images,
-        unsynced, and move the applied mark after them (``Compaction.apply``). The checkpointer
-        calls this after every commit (cheap when there is nothing to do)."""
+        unsynced (``Compaction.apply``). The checkpointer calls it after every commit."""
         self._check_writable()
         return self._compaction.apply(min_bytes=min_bytes, wait=wait)
+
+    def bound_working_copy(self, names) -> None:  # (tables behind a DRAM cache: Compaction.bound)
+        if self._compaction is not None:
+            self._compaction.bound([self.table(n).region for n in names])
+
+    def trim_working_copy(self, names) -> bool:
+        """``Compaction.trim`` for tables ``names``: only at a recovery point, nothing in flight."""
+        self._check_writable()
+        return self.journaled and self._compaction.trim([self.table(n).region for n in names])
 
     @property
     def overlay_bound(self) -> int:
@@ -172,8 +177,7 @@ class MemoryPool:
         self._compaction.check()
         return self._compaction.running
 
-    def wait_compaction(self) -> None:
-        """Wait for a background compaction, if one is running (and raise its error)."""
+    def wait_compaction(self) -> None:  # (a background one, if running; its error raised)
         self._compaction.wait()
 
     # -- row gathering for the checkpointer (memory_pool/gather.py)

@@ -75,6 +75,7 @@ class PoolStats:
     bytes_compacted: int = 0        # journal bytes dropped after write-back
     compactions: int = 0
     applies: int = 0                # write-back passes of sealed journal segments between compactions (unsynced)
+    trims: int = 0                  # working copies given back (MemoryPool.trim_working_copy)
     rows_replayed: int = 0          # journal rows written into the working copy (at the open, or on demand)
     open_seconds: float = 0.0       # the open itself: header, journal scan, replay (eager) or its index (on demand)
     rows_deferred: int = 0          # rows an on-demand replay left to apply when first needed (journal and runs)

@@ -23,6 +23,8 @@ from .validation import validate_init, validate_table_config
 
 __all__ = ["TableSet"]
 
+ARENA_ROOM = 1 << 40   # bytes of address space reserved beyond a pool's tables (1 TiB)
+
 
 class TableSet(Mapping):
     """The tables of an open pool by name, and the memory they live in (see the module).
@@ -44,9 +46,12 @@ class TableSet(Mapping):
         self._dram_left = dram_cache_bytes
         self._by_name: dict[str, Table] = {}
         self._rows = True   # (open_all: False when the pool was opened without its rows)
-        # One address range for every table (see arena.py); room for tables created later.
+        # One address range for every table (see arena.py); room for tables created later. Only
+        # reserved (PROT_NONE, MAP_NORESERVE: no memory, no commit charge), so it is generous:
+        # 16 GiB of room made a new pool refuse its tables past 16 GiB (a 35 GB `kaggle` with
+        # 256-dim rows: PoolFullError on its 12th table); x86-64 gives a process 128 TiB.
         need = sum(page_round(c.nbytes) for c in cfgs)
-        self.arena: Arena | None = Arena(need + max(need, 16 << 30))
+        self.arena: Arena | None = Arena(need + max(need, ARENA_ROOM))
 
     def __getitem__(self, name: str) -> Table:
         return self._by_name[name]

@@ -389,6 +389,28 @@ class FileRegion(Region):
         the old ones)."""
         self.arena.map_file(self.offset, self.fd, self.nbytes, shared=self.shared, writable=not self.read_only)
 
+    def read_randomly(self) -> None:
+        """No readahead on the working copy's faults (``Arena.advise_random``): its rows are
+        read a few at a time, the misses of a DRAM cache in front of it."""
+        if self.nbytes and self.offset is not None:
+            self.arena.advise_random(self.offset, self.nbytes)
+
+    def trim(self) -> None:
+        """Give back this process's memory for the table (journaled tiers): the image mapped
+        afresh over the working copy (its copy-on-write pages go, and ``MADV_RANDOM``: a later
+        fault reads its own page, not a readahead window), then the image's clean page cache
+        dropped. The caller guarantees that the image's page cache holds every row's current
+        value (``MemoryPool.trim_working_copy``): nothing reads differently afterwards."""
+        if not self.nbytes or self.shared or self.read_only:
+            return
+        self.unmap_home()  # (a page still mapped there is not dropped from the page cache)
+        self.remap()
+        self.read_randomly()
+        try:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            pass
+
     def unmap_home(self) -> None:
         """Drop :meth:`home`'s mapping (before a sync, and at close)."""
         if self._home is not None:

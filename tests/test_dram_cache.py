@@ -127,13 +127,83 @@ def test_a_budget_too_small_for_one_batch_is_refused_before_a_pool_is_made(tmp_p
     CacheArenaConfig.for_budget(MIN, SPEC, batch_rows=TINY.batch_size)  # (the bound is exact)
 
 
+# --------------------------------------------------------------------------- a journaled working copy, bounded
+
+
+def anonymous_bytes_at(addr: int) -> int:
+    """The anonymous memory of the mapping holding ``addr`` (``/proc/self/smaps``): the
+    copy-on-write pages of a private file mapping."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Anonymous:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_trimming_a_journaled_working_copy_gives_its_pages_back_and_keeps_every_value(tmp_path, tier):
+    """``trim_working_copy``: the private pages a journaled tier's working copy holds (anonymous
+    memory, one per page written) are given back, and every row still reads its committed
+    value -- now, and after the pool is closed and opened again."""
+    path = tmp_path / "p"
+    pool = MemoryPool.create(path, tier=tier)
+    t = pool.create_table("t", 1 << 15, 64, init="uniform", seed=1)         # 8 MiB, 2,048 pages
+    pool.bound_working_copy(["t"])
+    ids = torch.arange(0, 1 << 15, 8)                                        # two rows in every page
+    t.write(ids, torch.randn(ids.numel(), 64))
+    t.persist()                                                              # committed to the journal
+    expected = t.view().clone()
+    image = t.region.path
+    assert not torch.equal(torch.from_file(str(image), size=expected.numel()).view_as(expected), expected)
+    assert anonymous_bytes_at(t.view().data_ptr()) >= 8 << 20               # (every page written: copied)
+    assert pool.trim_working_copy(["t"]) and pool.stats.trims == 1
+    assert anonymous_bytes_at(t.view().data_ptr()) == 0
+    assert torch.equal(t.view(), expected)
+    # (the committed rows are in the image's page cache now: what the fresh mapping reads)
+    assert torch.equal(torch.from_file(str(image), size=expected.numel()).view_as(expected), expected)
+    t.write(torch.tensor([3]), torch.full((1, 64), 7.0))                     # and it still trains
+    t.persist()
+    expected[3] = 7.0
+    pool.close()
+    with MemoryPool.open(path) as again:
+        assert torch.equal(again.table("t").view(), expected)
+
+
+def test_trimming_is_refused_where_it_cannot_give_anything_back(tmp_path, monkeypatch):
+    """On a direct tier (shm: the working copy is the device) and on a journaled pool with a row
+    overlay (a row whose newest value is in a run only would read back old), nothing is done."""
+    with MemoryPool.create(tmp_path / "s", tier="shm") as pool:
+        pool.create_table("t", 64, 4)
+        assert not pool.trim_working_copy(["t"])
+    monkeypatch.setenv("DLRM_CXL_RUNS_MB", "1")
+    with MemoryPool.create(tmp_path / "p", tier="pmem") as pool:
+        t = pool.create_table("t", 4096, 64, init="uniform", seed=1)
+        t.write(torch.arange(0, 4096, 64), torch.ones(64, 64))
+        t.persist()
+        pool.compact()                                                       # (the overlay's first run)
+        before = t.view().clone()
+        assert not pool.trim_working_copy(["t"]) and pool.stats.trims == 0
+        assert torch.equal(t.view(), before)
+
+
 # --------------------------------------------------------------------------- training on the cache
 
 
-@pytest.mark.parametrize("tier,k", [("shm", 2), ("pmem", 1), ("shm", 4)])
+@pytest.mark.parametrize("tier,k", [("shm", 2), ("pmem", 1), ("shm", 4), ("power-sim", 2)])
 def test_cached_fused_path_is_bit_identical_to_the_uncached_over_50_steps_with_evictions(root, uncached, tier, k):
+    """(On the journaled tiers the working copy is also given back at recovery points -- at
+    nearly every one with this budget, which the arena fills -- so the digest checks the trims.)"""
     digest, summary, t = train(root / f"cached-{tier}-{k}", N, tier=tier, dram_cache_bytes=BUDGET,
                                prefetch_batches=k)
+    if tier in ("pmem", "power-sim"):
+        assert summary.pool_stats["memory"]["trims"] > 3 and summary.pool_stats["trims"] > 3
+    else:
+        assert "trims" not in summary.pool_stats["memory"]
     c = summary.pool_stats["cache"]
     assert c["evictions"] > 1000 and c["misses"] + c["rows_prefetched"] > c["slots"], c
     assert c["rows_prefetched"] > 0 and 0 < c["hit_rate"] < 1 and c["bytes_written_home"] > 0

@@ -27,12 +27,13 @@ Usage::
     python tools/bench_beyond_dram.py                                   # kaggle, 1/4: 2.2 GB (the lead's run)
     python tools/bench_beyond_dram.py --larger-than-ram --root /mnt/big # see below; not run in the suite
 
-``--larger-than-ram``: ``kaggle`` with 128-dim rows (~17.5 GB of tables with their Adagrad
-state: more than this machine's RAM), the home on emulated pmem only (an shm home and the
-in-memory reference cannot hold it), budget ``--fraction`` of it. Needs ~18 GB free under
-``--root``. Note (README, "Tables larger than DRAM"): the emulated pmem working copy is a private
-mapping of the images, so every page the write-through stores to becomes anonymous memory until
-the pool is closed: such a run is bounded by RAM + swap, which is what this variant measures.
+``--larger-than-ram``: ``kaggle`` with the smallest row width (128, 256, ... floats) whose tables,
+with their Adagrad state, exceed this machine's RAM by a tenth (23 GB of RAM here: 256-dim, ~35
+GB), the home on emulated pmem only (an shm home and the in-memory reference cannot hold it),
+budget ``--fraction`` of it. Needs that much free under ``--root``. The emulated pmem working
+copy is a private mapping of the images: every page the write-through stores to becomes
+anonymous memory, given back at recovery points when the budget is reached
+(``dlrm_cxl.lookahead.WorkingCopyBound``: ``trims`` in the table).
 """
 
 from __future__ import annotations
@@ -60,6 +61,25 @@ from dlrm_cxl.options import TrainOptions  # noqa: E402
 from dlrm_cxl.trainer import Trainer  # noqa: E402
 from memory_pool import destroy_pool  # noqa: E402
 from memory_pool.residency import pool_files, pool_memory  # noqa: E402
+
+
+def mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def larger_than_ram(cfg):
+    """``cfg`` with the smallest embedding dim (64, 128, 256, ...) whose tables, with their
+    Adagrad state, are larger than this machine's RAM by a tenth."""
+    ram, dim = mem_total(), cfg.embedding_dim
+    while True:
+        c = replace(cfg, embedding_dim=dim, bottom_mlp=(*cfg.bottom_mlp[:-1], dim))
+        if c.table_bytes > 1.1 * ram:
+            return c
+        dim *= 2
 
 
 def io_read_bytes() -> int:
@@ -106,6 +126,8 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                 t.train_step(k, batch, plan)
                 times.append(time.perf_counter() - s0)
                 t.ckpt.observe_step(times[-1])  # (as Trainer.run: the recovery window follows it)
+                if t.bound is not None:  # (as Trainer.run: a journaled working copy given back)
+                    t.bound.after_commit(k)
             t.ckpt.drain()
         window = time.perf_counter() - w0
         io1 = io_read_bytes()
@@ -122,6 +144,8 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                             "home_read_bytes_per_step": d["bytes_read_home"] / steps,
                             "arena_bytes": arena.nbytes}
         out["memory"] = pool_memory(t.pool, budget_bytes=budget, cache_bytes=arena.nbytes if arena else 0)
+        if t.bound is not None:
+            out["memory"].update(t.bound.as_dict())
         return out
     finally:
         t.close()
@@ -147,11 +171,11 @@ def main(argv=None) -> int:
     cfg = PRESETS[a.preset]
     variants = a.variants.split(",")
     if a.larger_than_ram:
-        cfg = replace(PRESETS["kaggle"], embedding_dim=128, bottom_mlp=(512, 256, 128))
+        cfg = larger_than_ram(PRESETS["kaggle"])
         variants = ["pmem+cache"]
     budget = int(cfg.table_bytes * a.fraction)
     root = a.root or Path(tempfile.mkdtemp(prefix="bench-beyond-dram-", dir=os.environ.get("TMPDIR", "/tmp")))
-    print(f"preset {a.preset}{' (128-dim: larger than RAM)' if a.larger_than_ram else ''}: tables "
+    print(f"preset {a.preset}{f' ({cfg.embedding_dim}-dim: larger than RAM)' if a.larger_than_ram else ''}: tables "
           f"{cfg.table_bytes / 1e9:.3f} GB, DRAM budget {budget / 1e9:.3f} GB ({a.fraction:g}); warmup {a.warmup}, "
           f"{a.steps} timed steps, lookahead {a.prefetch_batches}; torch threads {torch.get_num_threads()}", flush=True) \
         if a.one is None else None
@@ -186,7 +210,8 @@ def main(argv=None) -> int:
     base = next((r["samples_per_s"] for r in results if r["variant"] == "memory"), None)
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
-          f"{'dev MB/st':>9} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10}")
+          f"{'dev MB/st':>9} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
+          f"{'trims':>5} {'copy MB peak':>12}")
     for r in results:
         c, m = r.get("cache"), r["memory"]
         dev = r["device_read_bytes_per_step"]
@@ -198,11 +223,15 @@ def main(argv=None) -> int:
                  f"{dev / 1e6:.2f}" if dev is not None else "-",
                  f"{m.get('rss_anon', 0) / 1e6:.1f}", f"{m['pool_page_cache_bytes'] / 1e6:.1f}",
                  f"{(m['dram_bytes'] or 0) / 1e6:.1f}", f"{budget / 1e6:.1f}" if r["budget_bytes"] else "-",
-                 f"{m['shm_device_bytes'] / 1e6:.1f}"]
-        widths = [12, 10, 8, 8, 8, 10, 9, 8, 9, 8, 9, 10]
+                 f"{m['shm_device_bytes'] / 1e6:.1f}",
+                 str(m["trims"]) if "trims" in m else "-",
+                 f"{m['peak_working_copy_bytes'] / 1e6:.1f}" if "peak_working_copy_bytes" in m else "-"]
+        widths = [12, 10, 8, 8, 8, 10, 9, 8, 9, 8, 9, 10, 5, 12]
         print(" ".join(f"{x:<{w}}" if i == 0 else f"{x:>{w}}" for i, (x, w) in enumerate(zip(cells, widths))))
     print("\nDRAM = anonymous memory + the pool files' page cache (the whole process: torch, the MLPs, the "
-          "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget")
+          "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget; "
+          "trims = working copies given back at recovery points (journaled homes), copy MB peak = the most anonymous memory "
+          "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)")
     if a.json:
         a.json.write_text(json.dumps({"preset": a.preset, "budget_bytes": budget, "results": results}, indent=1))
     return 0
