@@ -313,9 +313,9 @@ class CachedFusedEmbeddingBags:
     :class:`FusedEmbeddingBags` on the pool's arena: the same rows, in the same order, through
     the same kernels."""
 
-    def __init__(self, arena, *, optimizer: str, lr: float, eps: float = 1e-8):
+    def __init__(self, arena, *, optimizer: str, lr: float, eps: float = 1e-8, table_names=()):
         self.arena = arena
-        self.table_names: list[str] = []  # the pool tables that are the groups' homes (bind_cached)
+        self.table_names = list(table_names)  # the pool tables that are the groups' homes
         groups = arena.cfg.groups
         adagrad = optimizer == "rowwise_adagrad"
         specs = [FusedTableSpec(g.slots, g.dims[0], arena.offset(0, i), arena.offset(1, i) if adagrad else None)
@@ -378,6 +378,5 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
     for g, ms in enumerate(members):
         for i, m in enumerate(ms):
             m.use_cache(arena.member(g, i))
-    bags = CachedFusedEmbeddingBags(arena, optimizer=optimizer, lr=lr, eps=eps)
-    bags.table_names = [m.name for ms in members for m in ms]  # (the homes: WorkingCopyBound trims them)
-    return bags
+    return CachedFusedEmbeddingBags(arena, optimizer=optimizer, lr=lr, eps=eps,
+                                    table_names=[m.name for ms in members for m in ms])

@@ -243,7 +243,7 @@ class Compaction:
         (``FileRegion.read_randomly``); and from now on no row overlay, so that :meth:`trim`
         can work (a compaction then writes every row home, page-granular)."""
         for r in regions:
-            getattr(r, "read_randomly", lambda: None)()
+            r.read_randomly()
         self.no_overlay = True
 
     def trim(self, regions) -> bool:

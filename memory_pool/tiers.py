@@ -230,6 +230,14 @@ class Region:
         """Flush rows to a directly persistent medium (real pmem); others: nothing to do."""
         return 0
 
+    def read_randomly(self) -> None:
+        """No readahead on the rows' faults (a file's private working copy: ``FileRegion``);
+        others: nothing to do."""
+
+    def trim(self) -> None:
+        """Give back the process's pages of a journaled working copy (``FileRegion``); others:
+        nothing to do (on shm and real pmem the mapping is the medium itself)."""
+
     def close(self) -> None:
         self.tensor = torch.empty(0)
 
