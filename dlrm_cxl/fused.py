@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Sequence
@@ -374,7 +375,16 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
         if pool.rows_pending:
             pool.ready([(m, ids) for m in members[g]])
 
-    arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready)
+    # Write-back on a journaled tier: there the working copy is volatile and every window's
+    # commit writes its rows' after-images (read through the cache), so the cache need not write
+    # a step's rows home -- which, into the private copy-on-write mapping of the images, cost a
+    # page fault and a page of memory per row (memory_pool/cache_arena.py, "Durability").
+    def advise(g: int, ids: torch.Tensor) -> None:
+        for m in members[g]:
+            m.region.will_need(ids)
+
+    arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready, write_back=pool.journaled,
+                       advise=advise if pool.journaled and os.environ.get("DLRM_CXL_WILLNEED", "1") != "0" else None)
     for g, ms in enumerate(members):
         for i, m in enumerate(ms):
             m.use_cache(arena.member(g, i))

@@ -12,6 +12,7 @@ planned batches are K batches of lookahead (plus the one the thread is making).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from memory_pool.residency import page_cache_bytes, pool_memory, process_memory
@@ -65,16 +66,20 @@ class WorkingCopyBound:
     """Keeps what a journaled pool holds in DRAM for its tables behind a DRAM cache arena near
     the budget (issue 26).
 
-    Why: on emulated pmem and power-sim the working copy is a private mapping of the images, and
-    the cache's write-through stores every row a step changed into it: each page first written
-    becomes anonymous memory, held until the pool is closed; and each page a miss reads stays in
-    the page cache. Over a long run on a table larger than DRAM that is all of the table -- more
-    than the machine has. Here, at a recovery point (a window's end, its transaction handed to the
-    writer) where the working copy's anonymous pages (the growth of ``RssAnon`` since the last
-    trim, or since the trainer was built with the arena counted) plus the images' page cache
-    (``mincore``) exceed what the budget leaves beside the cache arena, the checkpointer is
+    Why: on emulated pmem and power-sim the working copy is a private mapping of the images.
+    The cache is write-back there (memory_pool/cache_arena.py), but a dirty row it evicts is
+    stored into the working copy, and each page first written becomes anonymous memory, held
+    until the pool is closed; each page a miss reads stays in the page cache. Over a long run on
+    a table larger than DRAM that is all of the table -- more than the machine has. And the
+    cache's dirty slots must stay few, or the clock finds no clean slot to evict. Here, at a
+    recovery point (a window's end, its transaction handed to the writer) where the working
+    copy's anonymous pages (the growth of ``RssAnon`` since the last trim, or since the trainer
+    was built with the arena counted) plus the images' page cache (``mincore``, see
+    :data:`MEASURE_EVERY`) exceed what the budget leaves beside the cache arena, or where
+    :data:`CLEAN_AT_DIRTY` of a group's slots are dirty, the checkpointer is
     drained and the working copy is given back (``MemoryPool.trim_working_copy``: the committed
-    rows into the images' page cache, the images mapped afresh, their clean pages dropped). So
+    rows into the images' page cache, the images mapped afresh, their clean pages dropped; every
+    slot is then clean: ``CacheArena.mark_clean``). So
     the arena plus those pages stay within the budget plus one recovery window's pages (the
     stated slack: a trim waits for a recovery point) plus the pages the kernel has not written
     back yet (dirty, not droppable until written: the next trim drops them). The journal's own
@@ -89,11 +94,20 @@ class WorkingCopyBound:
     # The images' page cache is measured with mincore, which walks every page of them: 105 ms
     # on the trainer's thread for `kaggle`'s 8.8 GB (52 files), against 0.2 ms for RssAnon. So
     # it is measured again only once this many times its last cost has passed (1 % of the run);
-    # in between, the last value stands in (the pages a miss reads: ~20 MB a step on `kaggle`).
+    # in between, the last value plus a page per row and member the cache read from the home
+    # since stands in (an upper bound: with MADV_RANDOM a miss reads its own page only; ~44 MB a
+    # step on `kaggle` at a quarter).
     MEASURE_EVERY = 100
+    PAGE = 4096
 
-    def __init__(self, pool, names: list[str], budget: int, ckpt, arena_bytes: int = 0):
+    # A write-back arena's slots are all made clean (``CacheArena.mark_clean``) by a trim once
+    # this fraction of a group's slots is dirty: its evictions then never write a row into the
+    # working copy (``CacheArena._admit``).
+    CLEAN_AT_DIRTY = 0.4
+
+    def __init__(self, pool, names: list[str], budget: int, ckpt, arena_bytes: int = 0, arena=None):
         self.pool, self.names, self.budget, self.ckpt = pool, list(names), int(budget), ckpt
+        self.arena = arena
         # The working copy may grow this much between trims: what the budget leaves beside the
         # cache arena (at least MIN_ALLOWANCE of it, or a budget taken by the arena would trim
         # at every recovery point for little).
@@ -106,16 +120,25 @@ class WorkingCopyBound:
         self.peak = 0   # the most the working copy had grown above the floor, at a recovery point
         self.images = [pool.table(n).region.path for n in self.names]
         self._cached = 0           # the images' page cache when last measured
+        self._read_at_measure = 0  # _rows_read() then
         self._next_measure = 0.0   # (perf_counter) when to measure it again
         self.refused = False       # the pool refused a trim (a row overlay): not asked again
+        self._trimmed = False      # a trim since the trainer was built (refreshes need one first)
         pool.bound_working_copy(self.names)
+
+    def _rows_read(self) -> int:
+        """Rows times members the cache has read from the home (each a page at most)."""
+        if self.arena is None:
+            return 0
+        return (self.arena.stats.misses + self.arena.stats.rows_prefetched) * self.arena.cfg.members
 
     def _image_cache(self) -> int:
         now = time.perf_counter()
         if now >= self._next_measure:
             self._cached = page_cache_bytes(self.images)
+            self._read_at_measure = self._rows_read()
             self._next_measure = now + self.MEASURE_EVERY * (time.perf_counter() - now)
-        return self._cached
+        return self._cached + self.PAGE * (self._rows_read() - self._read_at_measure)
 
     @classmethod
     def for_trainer(cls, pool, model, ckpt, checkpoint: str):
@@ -126,28 +149,62 @@ class WorkingCopyBound:
             return None
         if not bags.table_names:
             return None
-        return cls(pool, bags.table_names, pool.dram_cache_bytes, ckpt, arena_bytes=bags.arena.nbytes)
+        return cls(pool, bags.table_names, pool.dram_cache_bytes, ckpt, arena_bytes=bags.arena.nbytes, arena=bags.arena)
 
     def after_commit(self, step: int) -> bool:
-        """Called after step ``step``'s commit: trims at a recovery point when due. True if it did."""
+        """Called after step ``step``'s commit: gives the working copy back at a recovery point
+        when due. True if it did.
+
+        Two ways (both with the checkpointer drained, and the cache's lock held: the prefetch
+        thread may not evict a dirty row into the working copy meanwhile):
+
+        * a **trim** (``MemoryPool.trim_working_copy``): every committed journal row written into
+          the images, which are mapped afresh; every cache slot is clean then. Where dirty slots
+          pass :data:`CLEAN_AT_DIRTY`, the first time (an open's replay wrote rows into the
+          working copy that nothing lists), or while an on-demand replay is pending. Costs a
+          read of every image page the journal's rows fall in that is not cached: seconds on
+          `kaggle` behind a quarter budget (README);
+        * else a **refresh** (``MemoryPool.trim_working_copy(names, written)``): only the rows the cache
+          wrote into the working copy since (``CacheArena.take_spilled``) go into the images, then
+          they are mapped afresh: the clean pages the misses read are given back, for the cost
+          of a few rows."""
         if self.refused or getattr(self.ckpt, "window_start", None) != step:
             return False
         grown = process_memory().get("rss_anon", 0) - self.floor + self._image_cache()
         self.peak = max(self.peak, grown)
-        if grown <= self.allowance:
+        dirty = self.arena is not None and self.arena.dirty_fraction >= self.CLEAN_AT_DIRTY
+        if grown <= self.allowance and not dirty:
             return False
         t0 = time.perf_counter()
         self.ckpt.drain()  # (the window's transaction durable, no compaction running)
-        done = self.pool.trim_working_copy(self.names)
+        full = dirty or self.arena is None or not self._trimmed or self.pool.rows_pending
+        with (self.arena.paused() if self.arena is not None else contextlib.nullcontext()):
+            if full:
+                done = self.pool.trim_working_copy(self.names)
+                if done and self.arena is not None:
+                    # Every committed row is in the images now, and no step is running: every
+                    # slot equals its home (a dirty slot's value is its row's last committed
+                    # after-image); what it wrote into the working copy is gone with it.
+                    self.arena.take_spilled()
+                    self.arena.mark_clean()
+                self._trimmed = self._trimmed or done
+            else:
+                M = self.arena.cfg.members
+                spilled = self.arena.take_spilled()
+                done = self.pool.trim_working_copy(
+                    self.names, {self.names[g * M + m]: ids for g, ids in enumerate(spilled) for m in range(M)})
         self.refused = not done
         self.floor = process_memory().get("rss_anon", 0)
-        self._cached, self._next_measure = 0, 0.0  # (dropped: measured afresh next time)
+        # (the images' clean pages dropped: the estimate starts again from nothing; dirty pages
+        # a compaction wrote stay until written, and the next mincore sees them)
+        self._cached, self._read_at_measure = 0, self._rows_read()
         self.seconds += time.perf_counter() - t0
         return done
 
     def as_dict(self) -> dict:
-        """``trims`` (the pool's count), ``trim_seconds``, ``trim_refused``,
+        """``trims`` and ``refreshes`` (the pool's counts), ``trim_seconds`` (both), ``trim_refused``,
         ``working_copy_allowance_bytes`` and ``peak_working_copy_bytes`` (the most the working
         copy's anonymous pages and the images' page cache were found to hold at a recovery point)."""
-        return {"trims": self.pool.stats.trims, "trim_seconds": round(self.seconds, 3), "trim_refused": self.refused,
+        return {"trims": self.pool.stats.trims, "refreshes": self.pool.stats.refreshes,
+                "trim_seconds": round(self.seconds, 3), "trim_refused": self.refused,
                 "working_copy_allowance_bytes": self.allowance, "peak_working_copy_bytes": self.peak}

@@ -92,6 +92,12 @@ class RowCache:
         """A new, empty cache of the same capacity over ``home`` (the table was replaced whole)."""
         return RowCache(home, self.capacity)
 
+    # A write-through cache: the home always holds every row's current value.
+    holds_newer = False
+
+    def flush(self) -> None:
+        """Nothing to write back (write-through)."""
+
     def write_through(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Refresh cached copies of rows that were just written to home."""
         slot = self.row_slot[ids].to(torch.int64)

@@ -19,7 +19,8 @@ slots, the maps and the per-slot metadata (:meth:`CacheArenaConfig.for_budget`).
    :attr:`flat` exactly as on the pool's arena, in place: only the batch's slots change.
 2. :meth:`CacheArena.end` — right after the fused backward (``FusedEmbeddingBags``' after-update
    hook): the batch's rows, weights and state, are written from their slots to the home
-   (**write-through at the end of the step**), then the step's slots may be evicted.
+   (**write-through at the end of the step**; a write-back arena marks them dirty instead,
+   below), then the step's slots may be evicted.
 
 **Durability (the decision, and why).** The home plus the journal is the durable state; the
 cache is a working copy that is *never dirty at a step boundary*. Write-through at the end of
@@ -46,6 +47,27 @@ that go the other way (``Table.scatter_rows``, ``restore_raw``: an aborted step'
 recovery, a bulk load) refresh the slot of a cached row (:class:`CacheMember`), so the cache never
 serves a stale row.
 
+**Write-back on journaled tiers** (``write_back=True``: emulated pmem, power-sim). There the home
+is the pool's *working copy*, a private copy-on-write mapping of the table images: volatile, and
+not the durable state -- every recovery window's commit writes the after-images of the rows it
+changed to the journal, and recovery replays the journal over the images. Writing every step's
+rows through into it cost a copy-on-write fault (~12.5 us) and a page of anonymous memory per
+row alone in its page: ~10k a step on `kaggle`, the whole gap to in-memory speed. So a
+write-back arena only marks a step's slots *dirty*: a dirty row's current value is in its slot
+alone. Everything that reads rows of the home reads them through the cache instead
+(``Table.current_rows``: the after-image gathers of the journal, ``persist``), or writes the
+dirty rows home first (``Table.view``: the digest, a state dict, export; :meth:`flush`). The
+clock evicts clean slots while at least half of a group's are; a dirty row evicted is written
+to the home first (still a working copy's page, but only for rows the cache could not keep).
+Those rows are listed (:meth:`take_spilled`): the trainer gives the working copy back at
+recovery points by writing only them into the images before mapping the images afresh (a
+*refresh*), and keeps the dirty slots of big tables few (:data:`DIRTY_FROM_HOME_BYTES`): where
+40 % of one's slots are dirty, with the checkpointer drained, the pool writes every committed
+journal row into the images and maps them afresh (a *trim*, ``MemoryPool.trim_working_copy``);
+every slot then equals its home, and :meth:`mark_clean` says so (``dlrm_cxl.lookahead.
+WorkingCopyBound``). A crash loses nothing: what a dirty slot holds is either a committed
+after-image in the journal or part of the window that recovery replays.
+
 **Lookahead (Bagpipe's rule).** :meth:`prefetch` is called with the plans of the batches ahead,
 in order, on the prefetch thread: each gets the next ``seq``; its hits are stamped with it and
 its misses are read into slots that no running or planned batch needs (stamp below the running
@@ -64,142 +86,29 @@ arithmetic). A budget too small for one batch of the model is refused before tra
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from .cache_config import (MAP_BYTES_PER_ROW, META_BYTES_PER_SLOT, CacheArenaConfig, CacheGroupConfig, CacheStats,
+                           budget_size)
+from .cache_member import CacheMember
 from .errors import CacheTooSmallError, InvalidConfigError
 from .threads import intra_op_threads
 
 __all__ = ["CacheGroupConfig", "CacheArenaConfig", "CacheArena", "CacheMember", "CacheStats",
            "CacheTooSmallError", "MAP_BYTES_PER_ROW", "META_BYTES_PER_SLOT"]
 
-MAP_BYTES_PER_ROW = 4        # the int32 row -> slot map
-META_BYTES_PER_SLOT = 17     # per slot: its row (int64), its stamp (int64) and its clock bit (bool)
 _NEVER = torch.iinfo(torch.int64).max
-
-
-@dataclass(frozen=True)
-class CacheGroupConfig:
-    """One cached table and its members: ``dims[m]`` floats per row of member ``m`` (the
-    weights, then the optimizer state); ``slots`` rows of DRAM for them."""
-
-    name: str
-    rows: int
-    dims: tuple[int, ...]
-    slots: int
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row, every member (float32)."""
-        return 4 * sum(self.dims)
-
-    @property
-    def home_bytes(self) -> int:
-        return self.rows * self.row_bytes
-
-    @property
-    def nbytes(self) -> int:
-        """DRAM of the group's cache: slots, map and slot metadata."""
-        return self.slots * (self.row_bytes + META_BYTES_PER_SLOT) + self.rows * MAP_BYTES_PER_ROW
-
-    @staticmethod
-    def slots_for(budget: int, rows: int, row_bytes: int) -> int:
-        """Most slots whose cache (map and metadata included) fits ``budget`` bytes; 0 if none."""
-        left = budget - rows * MAP_BYTES_PER_ROW
-        return max(0, min(rows, left // (row_bytes + META_BYTES_PER_SLOT)))
-
-
-@dataclass(frozen=True)
-class CacheArenaConfig:
-    """The groups of a cache arena and their slots; :class:`CacheArena` owns the memory."""
-
-    groups: tuple[CacheGroupConfig, ...]
-    budget_bytes: int
-
-    @classmethod
-    def for_budget(cls, budget_bytes: int, tables: Sequence[tuple[str, int, tuple[int, ...]]], *,
-                   batch_rows: int = 1) -> "CacheArenaConfig":
-        """``tables``: ``(name, rows, member dims)``. Every table first gets the slots of one
-        batch (``batch_rows``: the most distinct rows of a table one batch may need -- the batch
-        size, with one id per sample and table -- or all its rows, if fewer) and the row map
-        every table needs; what is left of the budget is split so that every table caches the
-        same fraction of its remaining rows. Raises :class:`CacheTooSmallError` when the
-        budget does not hold the maps and one batch (the hint names the budget that would)."""
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise InvalidConfigError(f"the DRAM budget must be an int >= 0 bytes, got {budget_bytes!r}")
-        if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
-            raise InvalidConfigError(f"batch_rows must be an int >= 1, got {batch_rows!r}")
-        need = cls.min_budget(tables, batch_rows)
-        if budget_bytes < need:
-            raise CacheTooSmallError(
-                f"a DRAM budget of {budget_bytes:,} bytes cannot hold one batch: the {len(tables)} tables' row maps "
-                f"and {batch_rows:,} rows of each table (all of a smaller table's) take {need:,} bytes",
-                hint=f"raise --dram-cache to at least {_size(need)} (or lower --batch-size)")
-        base = [min(rows, batch_rows) for _, rows, _ in tables]
-        cost = [4 * sum(dims) + META_BYTES_PER_SLOT for _, _, dims in tables]
-        rest = sum((rows - b) * c for (_, rows, _), b, c in zip(tables, base, cost))
-        left = budget_bytes - need
-        groups = []
-        for (name, rows, dims), b, c in zip(tables, base, cost):
-            extra = (rows - b) * left // rest if rest else 0
-            groups.append(CacheGroupConfig(name, rows, tuple(dims), min(rows, b + extra)))
-        return cls(tuple(groups), budget_bytes)
-
-    @staticmethod
-    def min_budget(tables: Sequence[tuple[str, int, tuple[int, ...]]], batch_rows: int = 1) -> int:
-        """The smallest budget :meth:`for_budget` accepts: every table's row map and
-        ``batch_rows`` slots (at most its rows)."""
-        return sum(rows * MAP_BYTES_PER_ROW + min(rows, batch_rows) * (4 * sum(dims) + META_BYTES_PER_SLOT)
-                   for _, rows, dims in tables)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups)
-
-    @property
-    def members(self) -> int:
-        return len(self.groups[0].dims) if self.groups else 0
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift:
-            return f"{-(-n // (1 << shift))}{unit}"
-    return str(n)
-
-
-@dataclass
-class CacheStats:
-    """What the cache did since it was made. Rows are distinct rows of a step (a row looked up
-    twice in one batch counts once)."""
-
-    steps: int = 0
-    rows_needed: int = 0           # distinct rows the steps needed
-    hits: int = 0                  # of them, resident when the step began (prefetched ones included)
-    misses: int = 0                # read from the home at the step's start (the step waited)
-    rows_prefetched: int = 0       # read from the home ahead of their step, by the prefetch thread
-    prefetch_skipped: int = 0      # planned batches (x tables) the prefetch left to their step: no free slot
-    prefetch_stolen: int = 0       # prefetched rows a step evicted before their batch ran
-    evictions: int = 0             # rows dropped from a slot for another (never written back: see the module)
-    bytes_read_home: int = 0
-    bytes_written_home: int = 0    # write-through at the end of each step
-    wait_seconds: float = 0.0      # the step's time in begin(): reading misses, waiting for the prefetch's lock
-    write_seconds: float = 0.0     # the step's time writing its rows through to the home
-    prefetch_seconds: float = 0.0  # the prefetch thread's time reading rows ahead
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["hit_rate"] = self.hits / self.rows_needed if self.rows_needed else None
-        n = max(self.steps, 1)
-        d["wait_ms_per_step"] = 1e3 * self.wait_seconds / n
-        d["write_ms_per_step"] = 1e3 * self.write_seconds / n
-        d["bytes_read_home_per_step"] = self.bytes_read_home / n
-        return d
+# A write-back group's dirtiness counts (dirty_fraction) only from this size of home: below it
+# its evicted dirty rows share pages (`kaggle` at a quarter: the groups past this are 6 tables of
+# 71 MiB to 2.5 GiB; the 8 others that evict have 0.5-35 MiB and are mostly dirty all the time).
+DIRTY_FROM_HOME_BYTES = 64 << 20
 
 
 @dataclass
@@ -211,6 +120,7 @@ class _Group:
     slot_row: torch.Tensor  # [slots] int64, -1 free
     stamp: torch.Tensor     # [slots] int64: the newest batch that needs the slot (-1: none)
     ref: torch.Tensor       # [slots] bool: needed again since the clock's hand last passed it
+    dirty: torch.Tensor     # [slots] bool: newer than the home (write-back arenas only)
     members: list = field(default_factory=list)
     hand: int = 0           # the clock's hand: the next slot it looks at
 
@@ -220,10 +130,13 @@ class CacheArena:
 
     ``homes[g][m]``: the home of member ``m`` of group ``g``, a ``[rows, dims[m]]`` float32
     tensor (the pool's working copy of the table). ``ready(g, ids)``: called before rows ``ids``
-    of group ``g`` are read from their homes (an on-demand replay applies its pending rows)."""
+    of group ``g`` are read from their homes (an on-demand replay applies its pending rows);
+    ``advise(g, ids)`` then (a file's reads started ahead: ``Region.will_need``).
+    ``write_back``: see the module."""
 
     def __init__(self, cfg: CacheArenaConfig, homes: Sequence[Sequence[torch.Tensor]],
-                 ready: Callable[[int, torch.Tensor], None] | None = None):
+                 ready: Callable[[int, torch.Tensor], None] | None = None, *, write_back: bool = False,
+                 advise: Callable[[int, torch.Tensor], None] | None = None):
         if not cfg.groups:
             raise InvalidConfigError("a cache arena needs at least one table")
         if len({len(g.dims) for g in cfg.groups}) != 1:
@@ -231,6 +144,8 @@ class CacheArena:
         self.cfg = cfg
         self.stats = CacheStats()
         self._ready = ready
+        self._advise = advise
+        self.write_back = bool(write_back)
         self._lock = threading.RLock()
         M = cfg.members
         self.offsets: list[list[int]] = [[0] * len(cfg.groups) for _ in range(M)]
@@ -256,6 +171,11 @@ class CacheArena:
         # scatter stamps a whole batch's hits.
         self._stamp = torch.full((sum(g.slots for g in cfg.groups),), -1, dtype=torch.int64)
         self._ref = torch.zeros(self._stamp.numel(), dtype=torch.bool)
+        self._dirty = torch.zeros(self._stamp.numel(), dtype=torch.bool)
+        self._ndirty = [0] * len(cfg.groups)  # dirty slots per group
+        # Per group, the rows written into the home (write-back arenas: dirty rows evicted or
+        # flushed, and the pool's own writes, write_rows_through) since take_spilled().
+        self._spilled: list[list[torch.Tensor]] = [[] for _ in cfg.groups]
         sbase = [0]
         for gi, g in enumerate(cfg.groups):
             hs = list(homes[gi])
@@ -268,7 +188,8 @@ class CacheArena:
             self.groups.append(_Group(g, hs, slots, self._map[base[-1]:base[-1] + g.rows],
                                       torch.full((g.slots,), -1, dtype=torch.int64),
                                       self._stamp[sbase[-1]:sbase[-1] + g.slots],
-                                      self._ref[sbase[-1]:sbase[-1] + g.slots]))
+                                      self._ref[sbase[-1]:sbase[-1] + g.slots],
+                                      self._dirty[sbase[-1]:sbase[-1] + g.slots]))
             base.append(base[-1] + g.rows)
             sbase.append(sbase[-1] + g.slots)
         self._row_base = torch.tensor(base, dtype=torch.int64)
@@ -362,7 +283,7 @@ class CacheArena:
                     f"a batch needs {ids.numel():,} distinct rows of table {g.name!r}, but its DRAM cache has "
                     f"{g.slots:,} slots (budget {self.cfg.budget_bytes:,} bytes)",
                     hint=f"raise --dram-cache to at least "
-                         f"{_size(CacheArenaConfig.min_budget([(x.name, x.rows, x.dims) for x in self.cfg.groups], ids.numel()))}"
+                         f"{budget_size(CacheArenaConfig.min_budget([(x.name, x.rows, x.dims) for x in self.cfg.groups], ids.numel()))}"
                          f" (or lower --batch-size)")
         # (one intra-op thread: these small copies run while the prefetch thread holds a core;
         # a team of two waits for its preempted member: memory_pool.threads.intra_op_threads)
@@ -385,11 +306,24 @@ class CacheArena:
 
     def end(self, rows: Sequence[torch.Tensor], seq: int, flat: torch.Tensor | None = None) -> None:
         """After the fused update of batch ``seq``: its rows, every member, written from their
-        slots to the home (write-through), then its slots may be evicted."""
+        slots to the home (write-through), or, in a write-back arena, marked dirty; then its
+        slots may be evicted."""
         t0 = time.perf_counter()
         n = 0
-        # (on torch's threads: scattered stores into the home, latency-bound, gain from two)
-        n = self._write_through(rows, flat)
+        if self.write_back:
+            flat, counts = self._flat_rows(rows, flat)
+            if flat.numel():
+                with self._lock:
+                    gslot = self._map.index_select(0, flat).to(torch.int64) + \
+                        torch.repeat_interleave(self._slot_base[:-1], counts)
+                    new = gslot[~self._dirty[gslot]]
+                    self._dirty[new] = True
+                    per = torch.bincount(torch.searchsorted(self._slot_base, new, right=True) - 1,
+                                         minlength=len(self.groups)).tolist()
+                    self._ndirty = [a + b for a, b in zip(self._ndirty, per)]
+        else:
+            # (on torch's threads: scattered stores into the home, latency-bound, gain from two)
+            n = self._write_through(rows, flat)
         with self._lock:
             if self._running == seq:
                 self._running = None
@@ -462,7 +396,15 @@ class CacheArena:
         them (then nothing is read). ``batch``: all of the batch's rows of the group."""
         g = self.groups[gi]
         m = miss.numel()
-        victims = self._victims(g, m)
+        # A write-back arena takes clean slots while at least half of them are (the trainer
+        # cleans every slot well before: dlrm_cxl.lookahead.WorkingCopyBound), else any slot,
+        # a dirty one written back first: the working copy's pages it lands in become the
+        # process's until MemoryPool.trim_working_copy (and a clean-only clock would scan the
+        # whole group for nothing).
+        mostly_dirty = self.write_back and 2 * self._ndirty[gi] > g.cfg.slots
+        victims = self._victims(g, m, allow_dirty=mostly_dirty)
+        if victims is None and self.write_back and not mostly_dirty:
+            victims = self._victims(g, m, allow_dirty=True)
         if victims is None:
             if not steal:
                 return -1
@@ -479,11 +421,21 @@ class CacheArena:
         victims, _ = torch.sort(victims)  # (slots in order: the reads below go to ascending addresses)
         old = g.slot_row[victims]
         was = old >= 0
+        if self.write_back:
+            d = g.dirty[victims]
+            if bool(d.any()):
+                self._write_back_slots(gi, victims[d], old[d])
+                nd = int(d.sum())
+                self.stats.dirty_evictions += nd
+                self._ndirty[gi] -= nd
+                g.dirty[victims] = False
         if bool(was.any()):
             g.row_slot[old[was]] = -1
             self.stats.evictions += int(was.sum())
         if self._ready is not None:
             self._ready(gi, miss)
+        if self._advise is not None:
+            self._advise(gi, miss)  # (a file's pages requested all at once, before the copy faults them in)
         for h, s in zip(g.homes, g.slots):
             # miss is sorted: the home is read in ascending order
             s.index_copy_(0, victims, h.index_select(0, miss))
@@ -494,12 +446,23 @@ class CacheArena:
         g.ref[victims] = False
         return m
 
-    def _victims(self, g: "_Group", m: int) -> torch.Tensor | None:
+    def _write_back_slots(self, gi: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows ``rows`` of group ``gi``, every member, from their slots ``slots`` to the home."""
+        g = self.groups[gi]
+        rows, order = torch.sort(rows)  # (ascending addresses in the home)
+        slots = slots[order]
+        self._spilled[gi].append(rows)
+        for h, s in zip(g.homes, g.slots):
+            h.index_copy_(0, rows, s.index_select(0, slots))
+            self.stats.bytes_written_home += rows.numel() * s.shape[1] * 4
+
+    def _victims(self, g: "_Group", m: int, allow_dirty: bool = False) -> torch.Tensor | None:
         """``m`` slots of group ``g`` that no running or planned batch needs (Bagpipe's rule),
         chosen by a clock (CLOCK, second chance: a slot needed again since the hand last passed
         it is passed over once, and loses its bit), in chunks from the hand: O(m) a step, not
         O(slots) (a scan of every stamp: ~9 ms a step on `small`, far more on `kaggle`'s 8.4 M
-        slots). None when two turns of the hand find fewer than ``m``."""
+        slots). Dirty slots (a write-back arena) only with ``allow_dirty``. None when two turns
+        of the hand find fewer than ``m``."""
         S = g.stamp.numel()
         floor = self._floor
         found: list[torch.Tensor] = []
@@ -508,6 +471,8 @@ class CacheArena:
             lo = g.hand
             n = min(S - lo, max(4 * need, 4096))
             ok = (g.stamp[lo:lo + n] < floor) & ~g.ref[lo:lo + n]
+            if self.write_back and not allow_dirty:
+                ok &= ~g.dirty[lo:lo + n]
             idx = ok.nonzero().squeeze(1)
             if idx.numel() >= need:
                 idx = idx[:need]
@@ -545,6 +510,8 @@ class CacheArena:
     def write_rows_through(self, gi: int, member: int, ids: torch.Tensor, values: torch.Tensor) -> None:
         g = self.groups[gi]
         with self._lock:
+            if self.write_back:
+                self._spilled[gi].append(ids)
             slot = g.row_slot.index_select(0, ids).to(torch.int64)
             cached = slot >= 0
             if bool(cached.any()):
@@ -558,43 +525,63 @@ class CacheArena:
             g.slot_row.fill_(-1)
             g.stamp.fill_(-1)
             g.ref.fill_(False)
+            g.dirty.fill_(False)
+            self._ndirty[gi] = 0
             g.hand = 0
 
-
-class CacheMember:
-    """How a pool table reads and writes its rows while a :class:`CacheArena` caches them
-    (``Table.use_cache``): reads of cached rows come from their slots, the rest from the home
-    (nothing is admitted: only steps admit rows); a write to the home refreshes the row's slot.
-    The interface of :class:`memory_pool.cache.RowCache`."""
-
-    def __init__(self, arena: CacheArena, group: int, member: int):
-        self.arena = arena
-        self.group = group
-        self.member = member
-        self.hits = 0
-        self.misses = 0
+    # -- write-back arenas (journaled homes; see the module)
+    @property
+    def dirty_slots(self) -> int:
+        """Slots newer than their home, every group (0 in a write-through arena)."""
+        return sum(self._ndirty)
 
     @property
-    def capacity(self) -> int:
-        return self.arena.cfg.groups[self.group].slots
+    def dirty_fraction(self) -> float:
+        """The largest fraction of a group's slots that are dirty, among groups that evict and
+        whose home holds at least :data:`DIRTY_FROM_HOME_BYTES` (0 in a write-through arena)."""
+        if not self.write_back:
+            return 0.0
+        with self._lock:
+            # (a group holding all its rows never evicts: how dirty it is does not matter; nor
+            # for a small table, whose dirty rows evicted fall in few pages of its home)
+            return max((n / g.cfg.slots for n, g in zip(self._ndirty, self.groups)
+                        if g.cfg.slots < g.cfg.rows and g.cfg.home_bytes >= DIRTY_FROM_HOME_BYTES), default=0.0)
 
-    @property
-    def nbytes(self) -> int:
-        return self.arena.cfg.groups[self.group].nbytes if self.member == 0 else 0
+    def flush(self, gi: int | None = None) -> int:
+        """Write every dirty row of group ``gi`` (None: of every group) to its home, and keep it
+        cached, clean: before a read of the whole home (``Table.view``: the digest, a state dict,
+        export). Returns the rows written. No step may be running (its rows are not final)."""
+        n = 0
+        with self._lock:
+            for i in (range(len(self.groups)) if gi is None else [gi]):
+                g = self.groups[i]
+                d = g.dirty.nonzero().squeeze(1)
+                if d.numel():
+                    self._write_back_slots(i, d, g.slot_row[d])
+                    g.dirty[d] = False
+                    n += d.numel()
+                self._ndirty[i] = 0
+        self.stats.flushes += n
+        return n
 
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        """Rows ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home)."""
-        out, b_dram, b_home = self.arena.read_rows(self.group, self.member, ids)
-        rb = out.shape[1] * out.element_size() if out.dim() == 2 else 4
-        self.hits += b_dram // max(rb, 1)
-        self.misses += b_home // max(rb, 1)
-        return out, b_dram, b_home
+    @contextlib.contextmanager
+    def paused(self):
+        """No admission, eviction or write of the arena while inside (its lock held)."""
+        with self._lock:
+            yield
 
-    def write_through(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Rows ``ids`` were just written to the home: refresh their slots."""
-        self.arena.write_rows_through(self.group, self.member, ids, values)
+    def take_spilled(self) -> list[torch.Tensor]:
+        """Per group, the sorted distinct rows written into the home since the last call (a
+        journaled working copy's own pages: ``MemoryPool.trim_working_copy(names, written)`` writes them into
+        the images before it maps them afresh), forgotten here."""
+        with self._lock:
+            out = [torch.unique(torch.cat(x)) if x else torch.empty(0, dtype=torch.int64) for x in self._spilled]
+            self._spilled = [[] for _ in self.groups]
+        return out
 
-    def reset(self, home: torch.Tensor) -> "CacheMember":
-        """The whole table was replaced at home (a bulk load): nothing cached is valid."""
-        self.arena.invalidate(self.group)
-        return self
+    def mark_clean(self) -> None:
+        """Every slot equals its home now (``MemoryPool.trim_working_copy`` wrote every committed
+        row into the images and mapped them afresh, with no step running): no slot is dirty."""
+        with self._lock:
+            self._dirty.fill_(False)
+            self._ndirty = [0] * len(self.groups)

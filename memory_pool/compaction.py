@@ -30,6 +30,8 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+
+import torch
 from typing import Callable
 
 from .journal import Journal, RecordType
@@ -272,6 +274,35 @@ class Compaction:
         for r in regions:
             r.trim()
         self.stats.trims += 1
+        return True
+
+    def refresh(self, written: dict[str, torch.Tensor]) -> bool:
+        """Give back the images' clean page cache (and the working copy's pages) of the tables
+        ``written`` names, on a journaled tier, without the :meth:`trim`'s pass over the journal:
+        ``written[name]`` (sorted rows) must be every row of the table written into the working copy since it
+        was last mapped afresh (a DRAM cache's dirty rows evicted, the pool's own writes:
+        ``CacheArena.take_spilled``). Those rows are written into the image's page cache
+        (unsynced; the next compaction syncs the image), then the image is mapped afresh and its
+        clean pages dropped. Every other row of the working copy is the image's own.
+
+        Call order (``MemoryPool.trim_working_copy(names, written)``): at a recovery point, the checkpointer
+        drained -- the rows written are then committed values (an uncommitted one in an image's
+        page cache would outlive a crash of the trainer where the journal's replay does not
+        overwrite it) -- and only after a :meth:`trim` since the pool was opened: an open's replay
+        writes the journal's rows into the working copy, and nothing lists them. False, nothing
+        done, where :meth:`trim` would refuse."""
+        self.wait()
+        if not self._journaled or self.overlay is not None:
+            return False
+        with self._image_lock:  # (home()'s mapping is dropped below: never beside a write-back)
+            for name, ids in written.items():
+                r = self._tables[name].region
+                if ids.numel():
+                    raw = r.tensor.view(torch.uint8).view(r.rows, r.row_bytes).index_select(0, ids)
+                    self.stats.bytes_written_back += r.write_back(ids, raw)
+                    self._unsynced.add(name)
+                r.trim()
+        self.stats.refreshes += 1
         return True
 
     def _compaction_overlay(self) -> Overlay | None:

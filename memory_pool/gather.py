@@ -8,7 +8,7 @@ first, then call these.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -38,12 +38,15 @@ class TouchedRows(list):
 
 class RowGather(NamedTuple):
     """One group of :meth:`MemoryPool.row_gathers`: rows ``ids`` of ``src`` (a 2-D view of the
-    arena or of one table), which are the rows of the pairs at indexes ``idx``, in that order."""
+    arena or of one table), which are the rows of the pairs at indexes ``idx``, in that order.
+    ``read``: for a table behind a write-back DRAM cache, whose cached rows may be newer than
+    ``src`` (its home), how to read the rows' current values (``Table.current_rows``)."""
 
     idx: list[int]
     src: torch.Tensor
     ids: torch.Tensor
     grouped: bool  # a view of the arena shared by several pairs (else one table's own view)
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def rows(self) -> int:
@@ -59,6 +62,8 @@ class RowGather(NamedTuple):
 
     def into(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the rows into ``out`` (``[rows, src columns]``, ``src``'s dtype); returns it."""
+        if self.read is not None:
+            return out.copy_(self.read(self.ids))
         if self.src.shape[1] == 1 and self.src.is_contiguous() and out.is_contiguous():
             # (one-element rows, row-wise Adagrad's state: a 1-D gather is ~5x faster than
             # index_select's row loop over [N, 1])
@@ -91,7 +96,7 @@ def copy_row_gathers(gathers: list[RowGather], buffers: dict | None = None) -> l
                 buf = buffers[key] = torch.empty(max(g.rows * 5 // 4, 1024), g.src.shape[1], dtype=g.dtype)
             out.append((g.idx, g.into(buf[:g.rows])))
         else:
-            out.append((g.idx, g.src.index_select(0, g.ids)))
+            out.append((g.idx, g.read(g.ids) if g.read is not None else g.src.index_select(0, g.ids)))
     return out
 
 
@@ -106,7 +111,9 @@ def row_gathers(arena: Arena, pairs) -> list[RowGather]:
     groups: dict = {}
     for i, (t, ids) in enumerate(pairs):
         off, rb = t.arena_offset, t.config.row_bytes
-        if off is None or t.cached or off % rb:
+        if t.cache_holds_newer:
+            out.append(RowGather([i], t.region.tensor, ids, False, t.current_rows))
+        elif off is None or t.cached or off % rb:
             out.append(RowGather([i], t.view(), ids, False))
         else:
             groups.setdefault((rb, t.config.dtype), []).append(i)

@@ -66,7 +66,7 @@ def persist_rows(journal: Journal | None, pairs) -> int:
         return 0
     n = 0
     for t, ids in pairs:
-        rows = t.region.tensor.index_select(0, ids)
+        rows = t.current_rows(ids)  # (behind a write-back DRAM cache, the cached rows are the newer)
         journal.append(RecordType.ROWS, -1, encode_rows(t.name, ids, rows))
         n += ids.numel() * t.config.row_bytes
     journal.end(-1, {"kind": "persist"})

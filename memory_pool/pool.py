@@ -155,18 +155,18 @@ class MemoryPool:
         if self._compaction is not None:
             self._compaction.bound([self.table(n).region for n in names])
 
-    def trim_working_copy(self, names) -> bool:
-        """``Compaction.trim`` for tables ``names``: only at a recovery point, nothing in flight."""
+    def trim_working_copy(self, names, written: dict | None = None) -> bool:
+        """``Compaction.trim`` for tables ``names`` (at a recovery point, nothing in flight); with
+        ``written`` (``{name: rows written into the working copy}``), ``Compaction.refresh``."""
         self._check_writable()
-        return self.journaled and self._compaction.trim([self.table(n).region for n in names])
+        regions = [self.table(n).region for n in names]
+        return self.journaled and (self._compaction.trim(regions) if written is None else self._compaction.refresh(written))
 
     @property
-    def overlay_bound(self) -> int:
-        """Bytes of runs the row overlay keeps (memory_pool/overlay.py); 0: no overlay."""
+    def overlay_bound(self) -> int:  # (bytes of runs the row overlay keeps, memory_pool/overlay.py; 0: none)
         return self._compaction.overlay_bound
 
-    def _runs_format(self) -> None:
-        # (a compaction, before the overlay's first manifest: see Compaction.compact)
+    def _runs_format(self) -> None:  # (a compaction, before the overlay's first manifest: Compaction.compact)
         if self._header.get("format_version") != RUNS_FORMAT_VERSION:
             self._write_header(format_version=RUNS_FORMAT_VERSION)
 

@@ -76,6 +76,7 @@ class PoolStats:
     compactions: int = 0
     applies: int = 0                # write-back passes of sealed journal segments between compactions (unsynced)
     trims: int = 0                  # working copies given back (MemoryPool.trim_working_copy)
+    refreshes: int = 0              # their clean pages given back alone (MemoryPool.trim_working_copy(names, written))
     rows_replayed: int = 0          # journal rows written into the working copy (at the open, or on demand)
     open_seconds: float = 0.0       # the open itself: header, journal scan, replay (eager) or its index (on demand)
     rows_deferred: int = 0          # rows an on-demand replay left to apply when first needed (journal and runs)
@@ -176,10 +177,13 @@ class Table:
 
         Writing through it bypasses the cache, dirty tracking and the undo log: use
         :meth:`write` unless you know why. Invalid after the pool is closed. After an on-demand
-        open, the journal's rows of the whole table are applied first.
+        open, the journal's rows of the whole table are applied first; behind a write-back DRAM
+        cache (journaled tiers), its rows newer than the home are written home first.
         """
         self._host.check_open()
         self._host.ready_rows(self.name)
+        if self._cache is not None:
+            self._cache.flush()  # (a write-back cache's newer rows first: the view is the table)
         return self._region.tensor
 
     # -- hot path (callers have validated)
@@ -227,6 +231,20 @@ class Table:
         self._region.restore_rows(ids, raw)
         if self._cache is not None:
             self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
+
+    def current_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64, valid) as they are now, where a write-back DRAM cache holds rows
+        newer than the home (the checkpointer's gathers, ``persist``); not counted as reads."""
+        self._host.ready_rows(self.name, ids)
+        if self._cache is not None and self._cache.holds_newer:
+            return self._cache.current(ids)
+        return self._region.tensor.index_select(0, ids)
+
+    @property
+    def cache_holds_newer(self) -> bool:
+        """Whether the table's cache may hold rows newer than its home (a write-back arena on a
+        journaled tier): its home is then read through :meth:`current_rows`."""
+        return self._cache is not None and self._cache.holds_newer
 
     def use_cache(self, cache) -> None:
         """Serve the rows through ``cache`` from now on (a ``memory_pool.cache_arena.CacheMember``:

@@ -168,6 +168,7 @@ def torch_dtype(name: str) -> torch.dtype:
 # Rows written back in runs of at least this many bytes on average go with pwrite (one call per
 # run); shorter runs through a shared mapping (one page fault per page): FileRegion.write_back.
 _LONG_RUN = 64 << 10
+_PAGE = 4096  # the page a fault reads (will_need)
 
 
 class Region:
@@ -238,6 +239,12 @@ class Region:
         """Give back the process's pages of a journaled working copy (``FileRegion``); others:
         nothing to do (on shm and real pmem the mapping is the medium itself)."""
 
+    def will_need(self, ids: torch.Tensor) -> int:
+        """Start reading the pages of rows ``ids`` from the medium, without waiting
+        (``FileRegion``: a file's private working copy); others: nothing to do. Returns the
+        read requests made."""
+        return 0
+
     def close(self) -> None:
         self.tensor = torch.empty(0)
 
@@ -267,6 +274,7 @@ class FileRegion(Region):
         self.shared = shared and not read_only
         self.journaled = journaled
         self._home = None  # (mmap, view): the image mapped shared, for the write-back (home())
+        self._random = False  # read_randomly() was called: no readahead on home() either
         flags = os.O_RDONLY if read_only else os.O_RDWR
         if create:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
@@ -327,6 +335,11 @@ class FileRegion(Region):
         # and a page that several passes hit faults once, not once per pass.
         if self._home is None:
             mm = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if self._random:
+                # (the rows written back are scattered over an image mostly not in the page
+                # cache: each fault reads its own page, not a readahead window -- measured on
+                # `kaggle` behind a DRAM cache: 8.6 GB read from the device a step without this)
+                mm.madvise(mmap.MADV_RANDOM)
             self._home = (mm, torch.frombuffer(mm, dtype=torch.uint8).view(self.rows, self.row_bytes))
         yield self._home[1]
 
@@ -400,6 +413,7 @@ class FileRegion(Region):
     def read_randomly(self) -> None:
         """No readahead on the working copy's faults (``Arena.advise_random``): its rows are
         read a few at a time, the misses of a DRAM cache in front of it."""
+        self._random = True
         if self.nbytes and self.offset is not None:
             self.arena.advise_random(self.offset, self.nbytes)
 
@@ -418,6 +432,25 @@ class FileRegion(Region):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except (OSError, AttributeError):
             pass
+
+    def will_need(self, ids: torch.Tensor) -> int:
+        """``POSIX_FADV_WILLNEED`` on the pages of rows ``ids`` (sorted), adjacent pages in one
+        request: the kernel queues every read at once and returns, so that the faults of the
+        copy that follows wait on reads already in flight, many at a time, instead of one after
+        the other (a DRAM cache's misses, ``MADV_RANDOM``: random 4 KiB reads of this VM's disk,
+        12k/s one at a time, 32k/s sixteen at a time). Pages already cached cost a lookup."""
+        if not ids.numel() or not self.nbytes or self.shared:  # (shared: shm, real pmem -- memory)
+            return 0
+        rb = self.row_bytes
+        at = ids * rb
+        pages = torch.unique(torch.cat([at // _PAGE, (at + rb - 1) // _PAGE]))
+        brk = torch.nonzero(pages[1:] != pages[:-1] + 1).flatten() + 1
+        starts = pages[torch.cat([torch.zeros(1, dtype=torch.int64), brk])].tolist()
+        ends = pages[torch.cat([brk - 1, torch.tensor([pages.numel() - 1])])].tolist()
+        fd, will = self.fd, os.POSIX_FADV_WILLNEED
+        for a, b in zip(starts, ends):
+            os.posix_fadvise(fd, a * _PAGE, (b - a + 1) * _PAGE, will)
+        return len(starts)
 
     def unmap_home(self) -> None:
         """Drop :meth:`home`'s mapping (before a sync, and at close)."""

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dlrm_cxl.lookahead import WorkingCopyBound
 from dlrm_cxl.model import PRESETS, state_table_name
 from dlrm_cxl.options import TrainOptions
 from dlrm_cxl.trainer import Trainer
 from memory_pool import MemoryPool
+from memory_pool import cache_arena
 from memory_pool.cache_arena import CacheArena, CacheArenaConfig, CacheTooSmallError
 from test_recovery import digest_of, killed
 
@@ -52,12 +54,12 @@ def two_tables(path, tier="shm"):
     return pool, [[a, sa], [b, sb]]
 
 
-def arena_for(members, slots):
+def arena_for(members, slots, write_back=False):
     cfg = CacheArenaConfig(tuple(
         __import__("memory_pool.cache_arena", fromlist=["x"]).CacheGroupConfig(ms[0].name, ms[0].num_embeddings,
                                                                                (4, 1), s)
         for ms, s in zip(members, slots)), budget_bytes=0)
-    return CacheArena(cfg, [[m.view() for m in ms] for ms in members])
+    return CacheArena(cfg, [[m.view() for m in ms] for ms in members], write_back=write_back)
 
 
 def test_ids_are_remapped_to_slots_holding_their_rows_duplicates_and_across_tables(tmp_path):
@@ -117,6 +119,56 @@ def test_rows_updated_then_evicted_are_read_back_updated_and_pool_writes_refresh
     assert torch.equal(arena.flat[0].view(-1, 4)[slots[0]], torch.full((4,), 9.0))
     assert torch.equal(a.read(torch.tensor([5, 6])), torch.cat([torch.full((1, 4), 9.0), new_w[1:]]))
     pool.close()
+
+
+def test_a_write_back_arena_keeps_a_steps_rows_in_their_slots_and_every_reader_sees_them(tmp_path):
+    """Write-back (journaled tiers): a step's rows stay in their slots, dirty -- the home (the
+    working copy) is not written -- yet the checkpointer's gathers, ``persist``, reads and
+    ``view`` all see the new values; a dirty row evicted is written home first; after
+    ``mark_clean`` an eviction writes nothing."""
+    pool, members = two_tables(tmp_path / "p", tier="pmem")
+    arena = arena_for(members, (2, 2), write_back=True)
+    (a, sa), _ = members
+    a.use_cache(arena.member(0, 0)), sa.use_cache(arena.member(0, 1))
+    home = a.region.tensor
+    old = home[[5, 6]].clone()
+    none = torch.empty(0, dtype=torch.int64)
+    r = [torch.tensor([5, 6]), none]
+    seq, slots = arena.begin(r, torch.tensor([5, 6]), [2, 0])
+    arena.flat[0].view(-1, 4)[slots] += 1.0                 # what the fused update does in place
+    arena.flat[1][slots] += 2.0
+    new_w = arena.flat[0].view(-1, 4)[slots].clone()
+    arena.end(r, seq)
+    assert torch.equal(home[[5, 6]], old) and not torch.equal(old, new_w)      # the home: not written
+    assert arena.dirty_slots == 2
+    assert torch.equal(a.current_rows(torch.tensor([5, 6])), new_w)
+    assert torch.equal(a.read(torch.tensor([6, 5])), new_w.flip(0))
+    (idx, rows), = [g for g in pool.gather_row_groups([(a, torch.tensor([5, 6]))])]
+    assert torch.equal(rows, new_w)                                            # the journal's after-images
+    seq, slots = arena.begin([torch.tensor([1, 2]), none], torch.tensor([1, 2]), [2, 0])   # evicts 5 and 6
+    arena.flat[0].view(-1, 4)[slots] += 3.0
+    arena.end([torch.tensor([1, 2]), none], seq)
+    assert arena.stats.dirty_evictions == 2 and torch.equal(home[[5, 6]], new_w)      # written home first
+    now = a.current_rows(torch.tensor([1, 2]))
+    assert not torch.equal(home[[1, 2]], now)
+    assert torch.equal(a.view()[[1, 2]], now) and arena.stats.flushes == 2            # view(): flushed first
+    arena.mark_clean()
+    seq, _ = arena.begin([torch.tensor([7, 8]), none], torch.tensor([7, 8]), [2, 0])
+    assert arena.stats.dirty_evictions == 2 and arena.dirty_slots == 0
+    pool.close()
+
+
+def test_a_journaled_homes_misses_are_requested_a_run_of_pages_at_a_time(tmp_path):
+    """``Region.will_need``: the pages of the rows a cache is about to read, adjacent pages in
+    one read request (rows of 256 bytes: 16 a page); a direct tier's home needs none."""
+    with MemoryPool.create(tmp_path / "p", tier="pmem") as pool:
+        t = pool.create_table("t", 4096, 64)
+        assert t.region.will_need(torch.tensor([0, 1, 15])) == 1                 # page 0
+        assert t.region.will_need(torch.tensor([0, 16, 40])) == 1                # pages 0, 1, 2: one run
+        assert t.region.will_need(torch.tensor([0, 17, 100, 4095])) == 3         # pages 0-1, 6, 255
+        assert t.region.will_need(torch.empty(0, dtype=torch.int64)) == 0
+    with MemoryPool.create(tmp_path / "s", tier="shm") as pool:
+        assert pool.create_table("t", 4096, 64).region.will_need(torch.tensor([0, 100])) == 0
 
 
 def test_a_budget_too_small_for_one_batch_is_refused_before_a_pool_is_made(tmp_path):
@@ -201,7 +253,8 @@ def test_cached_fused_path_is_bit_identical_to_the_uncached_over_50_steps_with_e
     digest, summary, t = train(root / f"cached-{tier}-{k}", N, tier=tier, dram_cache_bytes=BUDGET,
                                prefetch_batches=k)
     if tier in ("pmem", "power-sim"):
-        assert summary.pool_stats["memory"]["trims"] > 3 and summary.pool_stats["trims"] > 3
+        m = summary.pool_stats["memory"]
+        assert m["trims"] >= 1 and m["trims"] + m["refreshes"] > 3 and summary.pool_stats["trims"] == m["trims"]
     else:
         assert "trims" not in summary.pool_stats["memory"]
     c = summary.pool_stats["cache"]
@@ -209,6 +262,28 @@ def test_cached_fused_path_is_bit_identical_to_the_uncached_over_50_steps_with_e
     assert c["rows_prefetched"] > 0 and 0 < c["hit_rate"] < 1 and c["bytes_written_home"] > 0
     assert summary.pool_stats["memory"]["budget_bytes"] == BUDGET and summary.pool_stats["memory"]["vm_rss"] > 0
     assert t.model.cache_bags is not None and t.fused  # (fbgemm's kernels, not the reference path)
+    assert digest == uncached[N]
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+@pytest.mark.parametrize("dirty", ["ignored", "cleaned"])
+def test_refreshing_or_trimming_a_journaled_working_copy_keeps_every_row(root, uncached, tier, dirty, monkeypatch):
+    """A refresh maps the images afresh without the trim's pass over the journal: only the rows
+    the cache wrote into the working copy (dirty rows evicted) go into the images first.
+    ``ignored``: dirtiness never asks for a trim, so after the first trim every recovery point
+    refreshes, with thousands of dirty rows evicted into the working copy in between.
+    ``cleaned``: every table's dirtiness counts (tiny's homes are all below the size where it
+    does), so trims clean the slots again and again."""
+    if dirty == "ignored":
+        monkeypatch.setattr(WorkingCopyBound, "CLEAN_AT_DIRTY", 2.0)
+    else:
+        monkeypatch.setattr(cache_arena, "DIRTY_FROM_HOME_BYTES", 0)
+    digest, summary, _ = train(root / f"refresh-{tier}-{dirty}", N, tier=tier, dram_cache_bytes=BUDGET)
+    m, c = summary.pool_stats["memory"], summary.pool_stats["cache"]
+    if dirty == "ignored":
+        assert m["trims"] == 1 and m["refreshes"] > 3 and c["dirty_evictions"] > 1000, (m, c)
+    else:
+        assert m["trims"] > 3, (m, c)
     assert digest == uncached[N]
 
 

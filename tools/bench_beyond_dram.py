@@ -138,7 +138,7 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
         if arena is not None:
             st1 = arena.stats.as_dict()
             d = {k: st1[k] - st0[k] for k in ("rows_needed", "hits", "misses", "rows_prefetched", "bytes_read_home",
-                                             "wait_seconds", "evictions")}
+                                             "wait_seconds", "evictions", "dirty_evictions")}
             out["cache"] = {**d, "hit_rate": d["hits"] / max(d["rows_needed"], 1),
                             "wait_ms_per_step": 1e3 * d["wait_seconds"] / steps,
                             "home_read_bytes_per_step": d["bytes_read_home"] / steps,
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
           f"{'dev MB/st':>9} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
-          f"{'trims':>5} {'copy MB peak':>12}")
+          f"{'trim/refr':>9} {'copy MB peak':>12}")
     for r in results:
         c, m = r.get("cache"), r["memory"]
         dev = r["device_read_bytes_per_step"]
@@ -224,13 +224,13 @@ def main(argv=None) -> int:
                  f"{m.get('rss_anon', 0) / 1e6:.1f}", f"{m['pool_page_cache_bytes'] / 1e6:.1f}",
                  f"{(m['dram_bytes'] or 0) / 1e6:.1f}", f"{budget / 1e6:.1f}" if r["budget_bytes"] else "-",
                  f"{m['shm_device_bytes'] / 1e6:.1f}",
-                 str(m["trims"]) if "trims" in m else "-",
+                 f"{m['trims']}/{m['refreshes']}" if "trims" in m else "-",
                  f"{m['peak_working_copy_bytes'] / 1e6:.1f}" if "peak_working_copy_bytes" in m else "-"]
-        widths = [12, 10, 8, 8, 8, 10, 9, 8, 9, 8, 9, 10, 5, 12]
+        widths = [12, 10, 8, 8, 8, 10, 9, 8, 9, 8, 9, 10, 9, 12]
         print(" ".join(f"{x:<{w}}" if i == 0 else f"{x:>{w}}" for i, (x, w) in enumerate(zip(cells, widths))))
     print("\nDRAM = anonymous memory + the pool files' page cache (the whole process: torch, the MLPs, the "
           "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget; "
-          "trims = working copies given back at recovery points (journaled homes), copy MB peak = the most anonymous memory "
+          "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row into the images) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
           "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)")
     if a.json:
         a.json.write_text(json.dumps({"preset": a.preset, "budget_bytes": budget, "results": results}, indent=1))

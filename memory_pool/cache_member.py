@@ -1,0 +1,62 @@
+"""How a pool table reads and writes its rows while a DRAM cache arena caches them
+(memory_pool/cache_arena.py): :class:`CacheMember`, the table's side of the arena."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CacheMember"]
+
+
+class CacheMember:
+    """How a pool table reads and writes its rows while a :class:`CacheArena` caches them
+    (``Table.use_cache``): reads of cached rows come from their slots, the rest from the home
+    (nothing is admitted: only steps admit rows); a write to the home refreshes the row's slot.
+    The interface of :class:`memory_pool.cache.RowCache`."""
+
+    def __init__(self, arena, group: int, member: int):  # (arena: a CacheArena)
+        self.arena = arena
+        self.group = group
+        self.member = member
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.arena.cfg.groups[self.group].slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.cfg.groups[self.group].nbytes if self.member == 0 else 0
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Rows ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home)."""
+        out, b_dram, b_home = self.arena.read_rows(self.group, self.member, ids)
+        rb = out.shape[1] * out.element_size() if out.dim() == 2 else 4
+        self.hits += b_dram // max(rb, 1)
+        self.misses += b_home // max(rb, 1)
+        return out, b_dram, b_home
+
+    def write_through(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows ``ids`` were just written to the home: refresh their slots."""
+        self.arena.write_rows_through(self.group, self.member, ids, values)
+
+    @property
+    def holds_newer(self) -> bool:
+        """Whether a cached row may be newer than its home (a write-back arena): then the home
+        must be read through :meth:`current`, or :meth:`flush`ed first."""
+        return self.arena.write_back
+
+    def current(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids``' current values (cached ones from their slots), not counted as reads."""
+        return self.arena.read_rows(self.group, self.member, ids)[0]
+
+    def flush(self) -> None:
+        """Dirty rows of the table's group written to the home (:meth:`CacheArena.flush`)."""
+        if self.arena.write_back:
+            self.arena.flush(self.group)
+
+    def reset(self, home: torch.Tensor) -> "CacheMember":
+        """The whole table was replaced at home (a bulk load): nothing cached is valid."""
+        self.arena.invalidate(self.group)
+        return self
