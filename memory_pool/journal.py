@@ -240,6 +240,11 @@ class Journal(JournalReader):
             return self._segs[-1]
         if self._stray is not None:
             fileio.unlink(self._stray, missing_ok=True)  # (see _scan: an empty segment)
+            if self.sync:
+                # Durable before any END appended to the segment before it is: a power loss
+                # would bring the empty file back, named for sequence numbers that segment
+                # then holds, and the journal would read as damaged (records "missing").
+                fsync_dir(self.dir)
             self._stray = None
         if not self._tail_clean:
             raise NeedsRecoveryError(f"journal {self.dir}: a crash left an unfinished transaction after the "

@@ -484,3 +484,39 @@ def test_a_finished_run_without_recovery_points_is_still_finished_after_a_power_
     rec = cli.run(["recover", "--pool", str(pool), "--json"])    # its open takes the power loss first
     assert rec.returncode == 0, rec.stderr[-2000:]
     assert json.loads(rec.stdout)["committed_step"] == 4
+
+
+def test_an_empty_segment_left_by_a_power_loss_stays_gone_after_the_next_one(tmp_path):
+    """A power loss right after a new segment was started (its name durable, its header not)
+    leaves an empty segment file: the next writer removes it and appends to the segment before
+    it. That removal must be durable before a commit in that segment is: else a second power
+    loss brings the empty file back, named for sequence numbers the earlier segment now holds,
+    and the journal reads as damaged (records "missing" before it)."""
+    from memory_pool.journal import Journal, RecordType
+
+    def commit(j, tag):
+        for _ in range(3):
+            j.append(RecordType.UNDO, tag, [bytes(100)])
+        j.end(tag, {"step": tag, "kind": "commit"})
+
+    fileio.watch(tmp_path)
+    try:
+        j = Journal(tmp_path)
+        for tag in range(3):
+            commit(j, tag)
+        j.rotate()                       # a new segment: its name durable, its header not yet
+        j.close()
+    finally:
+        fileio.unwatch(tmp_path)
+    fileio.power_on(tmp_path)
+    segs = sorted(tmp_path.glob("seg-*.log"))
+    assert len(segs) == 2 and segs[-1].stat().st_size == 0, [(p.name, p.stat().st_size) for p in segs]
+    fileio.watch(tmp_path)
+    try:
+        back = Journal(tmp_path)
+        commit(back, 3)                  # removes the empty segment, appends to the one before
+        back.close()
+    finally:
+        fileio.unwatch(tmp_path)
+    fileio.power_on(tmp_path)            # what the commit's syncs made durable stays
+    assert [t.tag for t in Journal(tmp_path).txns] == [0, 1, 2, 3]
