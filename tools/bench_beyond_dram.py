@@ -93,6 +93,42 @@ def io_read_bytes() -> int:
     return -1
 
 
+def random_read_rate(root: Path, threads: int, *, size: int = 4 << 30, reads: int = 1000) -> float:
+    """Random 4 KiB reads per second of the device under ``root``: ``threads`` threads of
+    ``O_DIRECT`` ``preadv`` over a ``size``-byte file written for it (not in the page cache),
+    ``reads`` each. What a DRAM cache's misses of a file home cost at best (``--device-floor``)."""
+    import mmap
+    import random
+    import threading
+
+    path = root / "random-reads.bin"
+    if not path.exists() or path.stat().st_size != size:
+        with open(path, "wb") as f:
+            block = os.urandom(1 << 20)
+            for _ in range(size >> 20):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    pages = size // 4096
+
+    def worker(seed: int) -> None:
+        buf, rng = mmap.mmap(-1, 4096), random.Random(seed)
+        for _ in range(reads):
+            os.preadv(fd, [buf], rng.randrange(pages) * 4096)
+
+    try:
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return threads * reads / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
 def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, warmup: int, steps: int,
                 prefetch: int, threads: int | None) -> dict:
     pool = root / name.replace("+", "-")
@@ -165,6 +201,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="memory,pmem+cache,shm+cache")
     ap.add_argument("--larger-than-ram", action="store_true",
                     help="kaggle with 128-dim rows (~17.5 GB), pmem home only: see the module docstring")
+    ap.add_argument("--device-floor", action="store_true",
+                    help="also measure the device's random 4 KiB reads/s under --root (1 and 16 at a time; a 4 GiB "
+                         "file) and print the device time a file home's misses need per step at best")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (a child: one variant, JSON on stdout)
     a = ap.parse_args(argv)
@@ -232,8 +271,26 @@ def main(argv=None) -> int:
           "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget; "
           "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row into the images) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
           "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)")
+    floor = None
+    if a.device_floor:
+        rates = {k: random_read_rate(root, k) for k in (1, 16)}
+        (root / "random-reads.bin").unlink(missing_ok=True)
+        mem = next((r for r in results if r["variant"] == "memory"), None)
+        print(f"\ndevice floor: random 4 KiB reads {rates[1]:,.0f}/s one at a time, {rates[16]:,.0f}/s sixteen at a time")
+        floor = {"reads_per_s": rates, "variants": {}}
+        for r in results:
+            c = r.get("cache")
+            if c is None or not r["tier"].startswith("pmem"):
+                continue
+            # (a miss reads a page of every member: the row, and its optimizer state in its own file)
+            pages = (c["misses"] + c["rows_prefetched"]) / a.steps * (2 if cfg.embedding_optimizer.kind == "rowwise_adagrad" else 1)
+            best = pages / rates[16]
+            bound = f", at most {mem['median_step_ms'] / 1e3 / best:.2f}x of memory" if mem else ""
+            print(f"  {r['variant']}: {pages:,.0f} page reads a step: >= {1e3 * best:.0f} ms of device time{bound}")
+            floor["variants"][r["variant"]] = {"page_reads_per_step": pages, "device_ms_per_step": 1e3 * best}
     if a.json:
-        a.json.write_text(json.dumps({"preset": a.preset, "budget_bytes": budget, "results": results}, indent=1))
+        a.json.write_text(json.dumps({"preset": a.preset, "budget_bytes": budget, "results": results,
+                                      "device_floor": floor}, indent=1))
     return 0
 
 
