@@ -440,17 +440,22 @@ def test_a_real_power_loss_right_after_a_directory_sync_leaves_the_log_able_to_u
             copied.close()
 
 
+def _commit_three_records(j, tag) -> None:
+    """A transaction of three 100-byte records and its END, appended to journal ``j``."""
+    from memory_pool.journal import RecordType
+
+    for _ in range(3):
+        j.append(RecordType.UNDO, tag, [bytes(100)])
+    j.end(tag, {"step": tag, "kind": "commit"})
+
+
 def test_a_reused_segment_whose_records_never_came_is_not_damage_after_a_power_loss(tmp_path):
     """A reclaimed segment reused for new records gets a new header, synced before its rename
     (``Journal._reuse_free``): a power loss before the first record must leave a segment that
     reads as empty, not one named for the new life with the old life's header (damage)."""
-    from memory_pool.journal import Journal, RecordType
+    from memory_pool.journal import Journal
 
-    def commit(j, tag):
-        for _ in range(3):
-            j.append(RecordType.UNDO, tag, [bytes(100)])
-        j.end(tag, {"step": tag, "kind": "commit"})
-
+    commit = _commit_three_records
     fileio.watch(tmp_path)
     try:
         j = Journal(tmp_path, segment_bytes=700)
@@ -492,13 +497,9 @@ def test_an_empty_segment_left_by_a_power_loss_stays_gone_after_the_next_one(tmp
     it. That removal must be durable before a commit in that segment is: else a second power
     loss brings the empty file back, named for sequence numbers the earlier segment now holds,
     and the journal reads as damaged (records "missing" before it)."""
-    from memory_pool.journal import Journal, RecordType
+    from memory_pool.journal import Journal
 
-    def commit(j, tag):
-        for _ in range(3):
-            j.append(RecordType.UNDO, tag, [bytes(100)])
-        j.end(tag, {"step": tag, "kind": "commit"})
-
+    commit = _commit_three_records
     fileio.watch(tmp_path)
     try:
         j = Journal(tmp_path)
