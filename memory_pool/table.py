@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .cache import RowCache
 from .errors import InvalidIdsError
+from .initializers import INIT_BLOCK_ROWS, uniform_chunks
 from .tiers import Region, torch_dtype
 from .validation import validate_ids, validate_init, validate_offsets, validate_values
 
@@ -311,21 +312,31 @@ class Table:
 
         return self._host.stats.counted_persist(persist)
 
-    def fill_(self, init: str = "uniform", *, scale: float | None = None, seed: int = 0,
-              chunk_rows: int = 1 << 18) -> None:
-        """Initialise every row: ``zeros``, or ``uniform`` in [-scale, scale] (TorchRec's
-        default scale is sqrt(1/num_embeddings)), chunk by chunk so huge tables need no
-        table-sized temporary. Deterministic in ``seed``."""
+    def fill_(self, init: str = "uniform", *, scale: float | None = None, seed: int = 0) -> None:
+        """Initialise every row: ``zeros``, or ``uniform`` in [-scale, scale) (TorchRec's
+        default scale is sqrt(1/num_embeddings)), block by block so huge tables need no
+        table-sized temporary. Deterministic in ``seed``: the same values on every tier, however
+        many threads generate them (``memory_pool.initializers``)."""
         self._host.check_writable()
         validate_init(init)
         if init == "zeros":
-            chunks = ((a, None) for a in range(0, self.num_embeddings, chunk_rows))
+            chunks = ((a, None) for a in range(0, self.num_embeddings, INIT_BLOCK_ROWS))
         else:
             s = (1.0 / self.num_embeddings) ** 0.5 if scale is None else scale
-            g = torch.Generator().manual_seed(seed)
-            chunks = ((a, torch.rand(min(chunk_rows, self.num_embeddings - a), self.embedding_dim, generator=g)
-                       * (2 * s) - s) for a in range(0, self.num_embeddings, chunk_rows))
-        self._load_chunks(chunks, chunk_rows)
+            region = self._region
+            # A direct tier's float32 rows are generated where they live (no copy); a journaled
+            # tier's go to its image file from buffers, and other dtypes are converted.
+            in_place = not region.journaled and region.tensor.dtype == torch.float32 and region.tensor.is_contiguous()
+            chunks = uniform_chunks(self.num_embeddings, self.embedding_dim, seed, s,
+                                    dest=region.tensor if in_place else None)
+        self._load_chunks(chunks, INIT_BLOCK_ROWS)
+
+    def read_ahead(self) -> None:
+        """Start reading the table's home into memory, without waiting: on a journaled tier
+        the first steps' copy-on-write faults then find its pages cached instead of reading
+        them one at a time (a hint for a table meant to be resident; a no-op elsewhere)."""
+        self._host.check_writable()
+        self._region.read_ahead()
 
     def load_(self, values: torch.Tensor) -> None:
         """Replace every row with ``values`` [rows, dim], durably (a bulk write: on a journaled
@@ -349,7 +360,10 @@ class Table:
                 vals = vals.to(t.dtype).contiguous()
                 if region.journaled:
                     region.write_back(torch.arange(a, b), vals.view(torch.uint8).view(b - a, -1))
-                else:
+                    # (the device starts on these pages now, while the next ones are generated:
+                    # the sync below then waits for the tail, not for all of them)
+                    region.start_writeback(a, b)
+                elif vals.data_ptr() != t[a:b].data_ptr():  # (not generated in place)
                     t[a:b] = vals
             if region.journaled:
                 # The image holds the new rows durably; map it afresh so this process sees them

@@ -245,6 +245,10 @@ class Region:
         read requests made."""
         return 0
 
+    def read_ahead(self) -> None:
+        """Start reading the whole image into the page cache, without waiting (``FileRegion``
+        with a private working copy); others: nothing to do."""
+
     def close(self) -> None:
         self.tensor = torch.empty(0)
 
@@ -382,6 +386,11 @@ class FileRegion(Region):
                 n += ids.numel() * self.row_bytes
         return n
 
+    def start_writeback(self, first_row: int, end_row: int) -> None:
+        """Start the device on rows ``[first_row, end_row)`` written to the image (a bulk load):
+        a hint, nothing is durable before :meth:`sync` (``fileio.start_writeback``)."""
+        fileio.start_writeback(self.fd, first_row * self.row_bytes, (end_row - first_row) * self.row_bytes)
+
     def sync(self, *, drop_cache: bool = False) -> None:
         """fdatasync the image. ``drop_cache`` (after a bulk, sequential write: creation, a
         load): also drop its clean page cache. Why: a file written sequentially is cached in
@@ -430,6 +439,21 @@ class FileRegion(Region):
         self.read_randomly()
         try:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            pass
+
+    def read_ahead(self) -> None:
+        """``POSIX_FADV_WILLNEED`` on the whole image: the kernel queues sequential reads and
+        returns (~5 ms for 2 GB here). Pages read this way are cached as 4 KiB folios (the
+        kernel's forced read-ahead allocates the mapping's minimum order), so a later
+        write-back of scattered rows stays page-granular (measured: 2,000 rows of a 102 MB
+        image wrote 7.9 MB after it, as after faults; 107 MB when the pwrite's own large folios
+        were kept): reading ahead after :meth:`sync` ``(drop_cache=True)`` keeps what that drop
+        is for."""
+        if not self.nbytes or self.shared:  # (shared: shm, real pmem -- memory)
+            return
+        try:
+            os.posix_fadvise(self.fd, 0, self.nbytes, os.POSIX_FADV_WILLNEED)
         except (OSError, AttributeError):
             pass
 

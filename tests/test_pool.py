@@ -45,6 +45,7 @@ from memory_pool import (
     read_header,
 )
 from memory_pool._native import libpmem
+from memory_pool.initializers import INIT_BLOCK_ROWS
 from memory_pool.tiers import shm_root
 
 DURABLE = ("shm", "pmem", "power-sim")
@@ -450,6 +451,35 @@ def test_fill_uniform_is_deterministic_in_seed_and_bounded_by_scale(tmp_path):
             vals.append(all_rows(t))
     assert torch.equal(vals[0], vals[1]) and not torch.equal(vals[0], vals[2])
     assert float(vals[0].abs().max()) <= (1 / 1000) ** 0.5 and float(vals[0].abs().max()) > 0
+
+
+def _uniform_reference(rows: int, dim: int, seed: int, scale: float) -> torch.Tensor:
+    """The initialisation's definition, written out: block b of INIT_BLOCK_ROWS rows is SFC64
+    seeded from (seed, b), float32 uniforms x in [0, 1), as x * 2 scale - scale."""
+    import numpy as np
+
+    out = []
+    for b, a in enumerate(range(0, rows, INIT_BLOCK_ROWS)):
+        n = min(INIT_BLOCK_ROWS, rows - a) * dim
+        gen = np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, b])))
+        x = gen.random(n, dtype=np.float32)
+        out.append(torch.from_numpy(x * np.float32(2 * scale) - np.float32(scale)).view(-1, dim))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_uniform_init_is_the_same_on_every_tier_for_any_number_of_threads(tier, threads, tmp_pool_dir, monkeypatch):
+    rows = 2 * INIT_BLOCK_ROWS + 77  # three blocks, the last one short
+    expected = _uniform_reference(rows, 4, 11, rows ** -0.5)
+    monkeypatch.setenv("DLRM_CXL_INIT_THREADS", threads)
+    with MemoryPool.create(tmp_pool_dir, tier=tier) as pool:
+        t = pool.create_table("t", rows, 4, init="uniform", seed=11)
+        b = pool.create_table("b", rows, 4, init="uniform", seed=11, dtype="bfloat16")
+        assert torch.equal(all_rows(t), expected)
+        assert torch.equal(all_rows(b), expected.to(torch.bfloat16))  # (converted from the same values)
+    if tier != "dram":
+        with MemoryPool.open(tmp_pool_dir) as pool:  # (what reached the tier's files)
+            assert torch.equal(all_rows(pool.table("t")), expected)
 
 
 def test_view_is_a_live_tensor_over_the_rows(tier, tmp_pool_dir):
