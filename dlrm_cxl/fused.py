@@ -59,6 +59,9 @@ __all__ = ["FusedTableSpec", "FusedEmbeddingBags", "CachedFusedEmbeddingBags", "
 OPTIMIZERS = ("rowwise_adagrad", "sgd")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_ROWS = 2**31 - 2  # fbgemm's CPU backward: TORCH_CHECK(hash_size < 2**31 - 1)
+# The optimizer state's homes are kept in memory when they take at most 1/8 of the DRAM budget
+# (bind_cached; kaggle at a quarter: 135 MB of 2.2 GB).
+PINNED_STATE_SHARE = 8
 
 
 @dataclass(frozen=True)
@@ -369,7 +372,23 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
 
     members = [[t] + ([s] if s is not None else []) for t, s in zip(tables, states)]
     spec = [(t.name, t.num_embeddings, tuple(m.embedding_dim for m in ms)) for t, ms in zip(tables, members)]
-    cfg = CacheArenaConfig.for_budget(int(pool.dram_cache_bytes or 0), spec, batch_rows=batch_size or 1)
+    budget = int(pool.dram_cache_bytes or 0)
+    # The optimizer state's homes kept in memory, on a journaled tier, when they are small
+    # (row-wise Adagrad: 4 bytes a row, 135 MB for kaggle's 8.8 GB): a miss then reads one page
+    # from the device (its weights) instead of two (weights and state live in two files, and a
+    # miss is alone in its pages) -- the device's random reads are what such a step waits on
+    # (tools/bench_beyond_dram.py --device-floor). They are read ahead once, kept by every trim,
+    # and taken out of the arena's share of the budget; the budget's measurement counts them.
+    # (DLRM_CXL_KEEP_STATE=0: not kept, for an A/B of this rule)
+    pinned = [s for s in states if s is not None] if pool.journaled and os.environ.get("DLRM_CXL_KEEP_STATE", "1") != "0" else []
+    pinned_bytes = sum(s.region.nbytes for s in pinned)
+    if not pinned or pinned_bytes > budget // PINNED_STATE_SHARE or \
+            budget - pinned_bytes < CacheArenaConfig.min_budget(spec, batch_size or 1):
+        pinned, pinned_bytes = [], 0
+    cfg = CacheArenaConfig.for_budget(budget - pinned_bytes, spec, batch_rows=batch_size or 1)
+    for s in pinned:
+        s.region.keep_cached = True
+        s.region.read_ahead()
 
     def ready(g: int, ids: torch.Tensor) -> None:
         if pool.rows_pending:

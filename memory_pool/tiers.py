@@ -176,6 +176,9 @@ class Region:
 
     tier = "dram"
     journaled = False   # persisted through the pool's journal (emulated pmem, power-sim)
+    # A home whose image stays in the page cache across trims (FileRegion.trim): the optimizer
+    # state of tables behind a DRAM cache (dlrm_cxl.fused.bind_cached says why).
+    keep_cached = False
 
     def __init__(self, arena: Arena, rows: int, dim: int, dtype: str):
         self.rows, self.dim, self.dtype = rows, dim, dtype
@@ -437,6 +440,8 @@ class FileRegion(Region):
         self.unmap_home()  # (a page still mapped there is not dropped from the page cache)
         self.remap()
         self.read_randomly()
+        if self.keep_cached:  # (a home kept in memory on purpose: its pages stay, counted in the budget)
+            return
         try:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except (OSError, AttributeError):

@@ -287,6 +287,36 @@ def test_refreshing_or_trimming_a_journaled_working_copy_keeps_every_row(root, u
     assert digest == uncached[N]
 
 
+def test_the_optimizer_states_homes_stay_in_memory_through_trims_and_train_bit_identical(root, uncached, monkeypatch):
+    """On a journaled tier the optimizer state's homes (row-wise Adagrad: 4 bytes a row) are
+    kept in the page cache when they are small beside the budget (``fused.PINNED_STATE_SHARE``;
+    tiny's are too big for the default share, so it is raised here): a miss then reads its
+    weights' page only. A trim drops the weights' images from the page cache, never the
+    states'; and the run stays bit-identical to the uncached one."""
+    from dlrm_cxl import fused
+    from memory_pool.residency import PAGE, page_cache_bytes
+
+    monkeypatch.setattr(fused, "PINNED_STATE_SHARE", 1)
+    t = Trainer(TrainOptions(pool=str(root / "pinned"), steps=N, threads=1, progress=False, tier="pmem",
+                             dram_cache_bytes=BUDGET), TINY, log=lambda s: None)
+    try:
+        summary = t.run()
+        digest = t.digest()
+        weights = [t.pool.table(f) for f in TINY.feature_names]
+        states = [t.pool.table(state_table_name(f)) for f in TINY.feature_names]
+        assert all(s.region.keep_cached for s in states) and not any(w.region.keep_cached for w in weights)
+        m = summary.pool_stats["memory"]
+        assert m["trims"] >= 1 and m["trims"] + m["refreshes"] > 3, m
+        t.pool.compact()  # (every image written back and synced: its pages clean, droppable)
+        t.pool.trim_working_copy([w.name for w in weights + states])  # (one more, right now)
+        whole = sum(-(-s.region.nbytes // PAGE) * PAGE for s in states)
+        assert page_cache_bytes(s.region.path for s in states) == whole
+        assert page_cache_bytes(w.region.path for w in weights) == 0
+    finally:
+        t.close()
+    assert digest == uncached[N]
+
+
 def test_prefetched_batches_that_are_never_trained_change_nothing(root, uncached):
     pool = root / "unused"
     _, _, t = train(pool, N // 2, dram_cache_bytes=BUDGET)
