@@ -28,6 +28,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .errors import InvalidConfigError
+
 __all__ = ["INIT_BLOCK_ROWS", "uniform_block", "uniform_chunks", "init_workers"]
 
 INIT_BLOCK_ROWS = 1 << 15  # rows per independently seeded block (a value's definition: never change it)
@@ -39,7 +41,10 @@ def init_workers() -> int:
     (``DLRM_CXL_INIT_THREADS`` overrides)."""
     env = os.environ.get("DLRM_CXL_INIT_THREADS")
     if env:
-        return max(1, int(env))
+        if not env.strip().isdigit() or int(env) < 1:
+            raise InvalidConfigError(f"DLRM_CXL_INIT_THREADS must be a whole number >= 1, got {env!r}",
+                                     hint="unset DLRM_CXL_INIT_THREADS to use every core, or give e.g. 2")
+        return int(env)
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)

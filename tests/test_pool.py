@@ -482,6 +482,16 @@ def test_uniform_init_is_the_same_on_every_tier_for_any_number_of_threads(tier, 
             assert torch.equal(all_rows(pool.table("t")), expected)
 
 
+@pytest.mark.parametrize("bad", ["0", "two", "-1"])
+def test_a_bad_init_thread_count_is_a_typed_error_and_leaves_no_table(bad, tmp_pool_dir, monkeypatch):
+    monkeypatch.setenv("DLRM_CXL_INIT_THREADS", bad)
+    with MemoryPool.create(tmp_pool_dir, tier="pmem") as pool:
+        with pytest.raises(InvalidConfigError, match="DLRM_CXL_INIT_THREADS") as e:
+            pool.create_table("t", 10, 4, init="uniform", seed=1)
+        assert "unset DLRM_CXL_INIT_THREADS" in e.value.hint
+        assert pool.tables() == []
+
+
 def test_view_is_a_live_tensor_over_the_rows(tier, tmp_pool_dir):
     pool, t, ref = new_pool(tmp_pool_dir, tier)
     with pool:
