@@ -122,7 +122,13 @@ class CrashPlan:
             die(f"recovery {phase}")
 
     def arm_random(self, step: int) -> None:
-        """For ``random``: a seeded watchdog that kills at a random moment of this step."""
+        """For ``random``: a seeded watchdog that kills at a random moment of this step. Called
+        as every step begins: a watchdog armed for an earlier step that has not fired yet (the
+        delay drawn from the previous step's time outlasted a faster step, or its thread was
+        starved on a busy machine) kills now, at that step's end, before anything of this one:
+        the kill stays inside the step asked for."""
+        if self._timer is not None and self._timer.is_alive():
+            die(f"step {self.step} random (at its end: the moment drawn was past it)")
         if not self.at(step, RANDOM):
             return
         delay = random.Random(self.seed * 1_000_003 + step).uniform(0.0, self.expected_step_seconds)

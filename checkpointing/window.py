@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from memory_pool import TouchedRows
+
 __all__ = ["WindowRows"]
 
 
@@ -44,8 +46,9 @@ class WindowRows:
 
     def first_touch(self, touched) -> tuple[list, bool]:
         """Of ``touched`` (``[(Table, unique ids)]``), the rows this window touches for the first
-        time, as ``[(Table, ids)]`` in the same order (some may be empty), and whether that is
-        all of them. They count as touched from now on."""
+        time, as ``[(Table, ids)]`` in the same order (some may be empty; a
+        :class:`~memory_pool.TouchedRows` in the same numbering when ``touched`` is one), and
+        whether that is all of them. They count as touched from now on."""
         g = getattr(touched, "global_rows", None)
         if g is not None and not self._marked:
             return self._first_touch_global(touched, g)
@@ -68,12 +71,14 @@ class WindowRows:
             if a.size:
                 self._gseen[a] = True
                 self._gmarked.append(a)
-            return list(touched), True
+            return touched, True
         if new.size:
             self._gseen[new] = True
             self._gmarked.append(new)
         rows = _split(new, base)
-        return [(t, rows[f]) for t, f in layout[1]], False
+        # (in the same numbering too: the gathers of them take it whole, memory_pool.gather)
+        return TouchedRows([(t, rows[f]) for t, f in layout[1]], global_rows=torch.from_numpy(new),
+                           base=touched.base, member=touched.member), False
 
     def _first_touch_tables(self, touched) -> tuple[list, bool]:
         out, complete = [], True
@@ -101,12 +106,15 @@ class WindowRows:
         base, members = self._layout
         a = self._gmarked[0] if len(self._gmarked) == 1 else np.sort(np.concatenate(self._gmarked))
         rows = _split(a, base)
-        return [(t, rows[f]) for t, f in members]
+        return TouchedRows([(t, rows[f]) for t, f in members], global_rows=torch.from_numpy(a),
+                           base=torch.from_numpy(base), member=[f for _, f in members])
 
     def touched_rows(self) -> list:
         """Every row the window touched, once: ``[(Table, ids)]`` (journaled tiers: the rows whose
         after-images the window's end writes)."""
         out = self._global_pairs() if self._gmarked else []
+        if not self._marked:
+            return out  # (in one numbering, when the window's steps came in one)
         return out + [(t, torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts)))
                       for t, parts in self._marked.values()]
 

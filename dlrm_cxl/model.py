@@ -35,6 +35,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
@@ -153,6 +154,26 @@ PRESETS: dict[str, ModelConfig] = {
     # Full Criteo Kaggle: 33.8M rows, ~8.7 GB of fp32 at dim 64 (+ 135 MB of Adagrad state).
     "kaggle": ModelConfig(CRITEO_FEATURES, KAGGLE_CARDINALITIES, 64),
 }
+
+
+def distinct_sorted(ids: torch.Tensor, *, narrow: bool = False) -> torch.Tensor:
+    """The distinct values of ``ids`` (1-D integers), sorted, as int64: ``torch.unique(ids,
+    sorted=True)``, with NumPy's sort and a neighbour mask on the CPU. Measured on `small`'s
+    53k ids a step, one thread: 0.39 ms against 0.82 for ``torch.unique`` (the plan runs on the
+    prefetch thread, whose CPU the step's OpenMP threads lose on a 2-core machine).
+    ``narrow``: every value fits in int32 (4-byte keys sort faster)."""
+    if ids.device.type != "cpu":
+        return torch.unique(ids, sorted=True).to(torch.int64)
+    a = ids.numpy()
+    if narrow:
+        a = a.astype(np.int32)
+    s = np.sort(a)
+    if s.size:
+        keep = np.empty(s.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(s[1:], s[:-1], out=keep[1:])
+        s = s[keep]
+    return torch.from_numpy(s.astype(np.int64, copy=False))
 
 
 def state_table_name(table: str) -> str:
@@ -284,9 +305,7 @@ class PoolDLRM(nn.Module):
             base = self._row_base
             lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
             shifted = values + torch.repeat_interleave(base[:-1], lens)
-            if int(base[-1]) < 2**31:
-                shifted = shifted.to(torch.int32)  # (the sort behind unique: ~30% faster on 32 bits)
-            uniq = torch.unique(shifted, sorted=True).to(torch.int64)
+            uniq = distinct_sorted(shifted, narrow=int(base[-1]) < 2**31)
             cut = torch.searchsorted(uniq, base).tolist()
             plan.rows = [uniq[cut[f]:cut[f + 1]] - base[f] for f in range(len(self.features))]
             plan.global_rows, plan.row_base = uniq, base

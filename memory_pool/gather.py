@@ -120,6 +120,20 @@ def row_gathers(arena: Arena, pairs) -> list[RowGather]:
     for (rb, dt), idx in groups.items():
         dtype = torch_dtype(dt)
         flat = arena.tensor(0, arena.used - arena.used % rb, dtype).view(-1, rb // dtype.itemsize)
-        ids = torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])
-        out.append(RowGather(idx, flat, ids, True))
+        out.append(RowGather(idx, flat, _arena_rows(pairs, idx, rb), True))
     return out
+
+
+def _arena_rows(pairs, idx: list[int], rb: int) -> torch.Tensor:
+    """The rows of pairs ``idx`` (in that order) as rows of the arena viewed with ``rb``-byte
+    rows. When ``pairs`` holds them in one numbering and ``idx`` is one pair per member in
+    member order (the fused path's plan: weights, or their optimizer states), that numbering
+    shifted member by member: three array operations instead of one add per pair and a cat
+    (~50 small tensor ops a step on `small`)."""
+    g = getattr(pairs, "global_rows", None)
+    if g is not None and [pairs.member[i] for i in idx] == list(range(len(pairs.base) - 1)):
+        base = pairs.base
+        shift = torch.tensor([pairs[i][0].arena_offset // rb for i in idx], dtype=torch.int64) - base[:-1]
+        counts = torch.diff(torch.searchsorted(g, base))
+        return g + torch.repeat_interleave(shift, counts, output_size=g.numel())
+    return torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])

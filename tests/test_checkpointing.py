@@ -387,6 +387,26 @@ def test_a_random_crash_kills_even_when_the_run_ends_before_its_timer_fires():
     assert "ended without" not in proc.stdout
 
 
+def test_a_random_crash_whose_moment_outlasts_its_step_kills_as_the_next_step_begins():
+    """The delay is drawn from the previous step's time: when step K is faster (or the timer
+    thread is starved), the kill must not land in a later step (a test then saw more steps
+    committed than the crash step): the next step's begin kills first."""
+    code = textwrap.dedent("""
+        import sys, time
+        from checkpointing.crash import CrashPlan
+        plan = CrashPlan(3, "random", seed=1, expected_step_seconds=30.0)
+        plan.arm_random(3)          # a delay of up to 30 s; step 3 "ends" at once
+        print("step 3 done", flush=True)
+        plan.arm_random(4)          # step 4 begins: killed here
+        print("step 4 began", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    # (the timer itself, drawn at 10.3 s with this seed, would have let step 4 begin)
+    assert "step 3 done" in proc.stdout and "step 4 began" not in proc.stdout
+    assert "SIGKILL at step 3 random (at its end" in proc.stderr
+
+
 @pytest.mark.parametrize("tier", API_TIERS)
 def test_an_updated_step_that_never_commits_is_rolled_back_by_recover(tmp_pool_dir, tier):
     """What a crash after update() leaves. Direct tier (shm): the step's undo records, its rows

@@ -341,3 +341,45 @@ def test_first_touch_moves_to_per_table_bitmaps_when_a_step_comes_without_one_nu
         b, _ = mixed.first_touch(touched if k % 2 == 0 else pairs)
         assert _as_sets(a) == _as_sets(b)
         assert _as_sets(ref.touched_rows()) == _as_sets(mixed.touched_rows())
+
+
+def test_first_touches_keep_one_numbering_and_gather_the_same_rows_as_pair_by_pair(tmp_pool_dir):
+    """The fused plan's rows and a window's first touches of them, in one numbering, gathered
+    from a real pool (memory_pool.gather: the arena's rows found with three array operations)
+    against the same pairs as a plain list (one add per pair): the same ids, the same bytes;
+    and the plan's distinct rows against torch.unique."""
+    from checkpointing.window import WindowRows
+    from dlrm_cxl.model import PRESETS, distinct_sorted
+    from dlrm_cxl.options import TrainOptions
+    from dlrm_cxl.trainer import Trainer
+    from memory_pool import TouchedRows
+    from memory_pool.gather import row_gathers
+
+    ids = torch.tensor([7, 3, 3, 2**31 + 5, 0, 7], dtype=torch.int64)
+    assert torch.equal(distinct_sorted(ids), torch.unique(ids))
+    assert torch.equal(distinct_sorted(ids[ids < 2**31], narrow=True), torch.tensor([0, 3, 7]))
+    assert distinct_sorted(ids[:0]).numel() == 0
+    tr = Trainer(TrainOptions(pool=str(tmp_pool_dir), steps=0, tier="shm", threads=1, progress=False,
+                              fresh=True), PRESETS["tiny"], log=lambda s: None)
+    try:
+        assert tr.fused
+        win = WindowRows()
+        partial = 0
+        for k in range(4):
+            plan = tr.plan(tr.source.batch(k))
+            touched = tr.sparse_opt.touched(plan)
+            assert isinstance(touched, TouchedRows) and touched.global_rows is not None
+            first, complete = win.first_touch(touched)
+            partial += not complete
+            for pairs in (touched, first, win.touched_rows()):
+                assert isinstance(pairs, TouchedRows)
+                fast, slow = row_gathers(tr.pool._arena, pairs), row_gathers(tr.pool._arena, list(pairs))
+                assert [g.idx for g in fast] == [g.idx for g in slow] and len(fast) == 2
+                for f, s in zip(fast, slow):
+                    assert torch.equal(f.ids, s.ids)
+                for idx, got in tr.pool.gather_row_groups(pairs):
+                    want = torch.cat([pairs[i][0].view()[pairs[i][1]].reshape(-1) for i in idx])
+                    assert torch.equal(got.reshape(-1), want)
+        assert partial >= 2  # (later steps of the window touch fewer rows first)
+    finally:
+        tr.close()

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from checkpointing.base import Checkpointer, CheckpointStats, Step, Touched
+from checkpointing.window import WindowRows
 from memory_pool import MemoryPool
 from memory_pool.durable import atomic_write
 from memory_pool.records import crc32c_extend
@@ -106,6 +107,10 @@ class _Synchronous(Checkpointer):
         self.stats = CheckpointStats()
         self._cur: Step | None = None
         self._last_ckpt: int | None = None   # newest step made durable by this checkpointer
+
+    @property
+    def window(self) -> int:
+        return self._window
 
     def begin_step(self, step: int) -> None:
         self._cur = Step(step)
@@ -217,9 +222,16 @@ class BytesFloorCheckpointer(Checkpointer):
 
     name = "floor"
 
-    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, **_):
+    def __init__(self, pool: MemoryPool, dense_state: DenseStateFn, *, window: int = 1, **_):
+        """``window``: a recovery window of W steps, as the undo log's: each row's bytes once
+        per window (the rows a step touches first, :class:`~checkpointing.window.WindowRows`),
+        the dense state at the window's last step."""
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.pool = pool
         self.dense_state = dense_state
+        self._window = window
+        self._first = WindowRows() if window > 1 else None
         self.stats = CheckpointStats()
         self._cur: Step | None = None
         self._rows: dict = {}                       # reusable gather buffers, per row size
@@ -232,6 +244,8 @@ class BytesFloorCheckpointer(Checkpointer):
         t0 = time.perf_counter()
         self._cur.touched = list(touched)
         if not self.pool.journaled:
+            if self._first is not None:
+                self._cur.touched = self._first.first_touch(touched)[0]
             self.stats.log_bytes += self._copy_rows()   # before-images: before the update
         self.stats.critical_seconds += time.perf_counter() - t0
 
@@ -244,9 +258,15 @@ class BytesFloorCheckpointer(Checkpointer):
     def commit(self, step: int, *, final: bool = False, witness: dict | None = None) -> None:
         t0 = time.perf_counter()
         self.stats.steps += 1
+        ends = final or step % self._window == 0
         if self.pool.journaled and self._cur is not None:
-            self.stats.table_bytes_persisted += self._copy_rows()   # after-images: after it
-        self.checkpoint_now(step)
+            if self._first is not None:
+                self._first.first_touch(self._cur.touched)
+                self._cur.touched = self._first.touched_rows() if ends else []
+            if self._cur.touched:
+                self.stats.table_bytes_persisted += self._copy_rows()   # after-images: after it
+        if ends:
+            self.checkpoint_now(step)
         self.stats.critical_seconds += time.perf_counter() - t0
         self._cur = None
 
@@ -260,6 +280,8 @@ class BytesFloorCheckpointer(Checkpointer):
         torch.cat(tensors, out=self._dense[:n])
         crc32c_extend(0, self._dense[:n].numpy())
         self.stats.dense_bytes += n
+        if self._first is not None:
+            self._first.reset()
         self.stats.checkpoints += 1
         self.stats.last_commit_step = step
 

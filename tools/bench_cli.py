@@ -18,6 +18,9 @@ or DMP sharding). Variants:
     git worktree add /tmp/base <rev>
     python tools/bench_cli.py --variants "shm none,shm undo" --baseline /tmp/base   # before vs after
 
+``vs none`` is the ratio of the two variants' medians; ``paired`` the median over rounds of the
+ratio of the two runs in the same round (this machine's slow drifts cancel in it).
+
 ``--baseline DIR``: every ``<tier> <checkpoint>`` variant also runs with the ``dlrm-cxl`` of
 another checkout (a worktree of an earlier commit; same interpreter), interleaved with this
 one's, and is reported as ``base <tier> <checkpoint>``: a before/after measured side by side.
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
         print(f"  round {r + 1}/{a.rounds}: " + " | ".join(line), flush=True)
     ref = statistics.median(x["samples_per_s"] for x in res["torchrec"]) if "torchrec" in res else None
     base = {}
-    print(f"\n{'variant':<19}{'samples/s':>11}{'vs torchrec':>13}{'vs none':>9}{'durable MB/step':>17}"
+    print(f"\n{'variant':<19}{'samples/s':>11}{'vs torchrec':>13}{'vs none':>9}{'paired':>8}{'durable MB/step':>17}"
           f"{'device MB/step':>16}{'WA':>7}{'wait ms/step':>14}{'window':>8}")
     for v in variants:
         m = statistics.median(x["samples_per_s"] for x in res[v])
@@ -157,8 +160,13 @@ def main(argv=None) -> int:
             wait = f"{1e3 * ck['commit_wait_seconds'] / max(ck['steps'], 1):.2f}"
         tier = v.rsplit(" ", 1)[0]
         vs_none = f"{m / base[tier]:.3f}x" if v.endswith(" undo") and tier in base else ""
+        # (the median over rounds of the two runs' ratio in one round: this machine's slow
+        # drifts cancel, as in bench_train's "undo vs none")
+        paired = ""
+        if vs_none and f"{tier} none" in res:
+            paired = f"{statistics.median(u['samples_per_s'] / n['samples_per_s'] for u, n in zip(xs, res[f'{tier} none'])):.3f}x"
         window = str(xs[-1].get("window", "")) if ck and v.endswith(" undo") else ""
-        print(f"{v:<19}{m:>11,.0f}{(f'{m / ref:.3f}x' if ref else ''):>13}{vs_none:>9}{durable:>17}{dev:>16}{wa:>7}{wait:>14}"
+        print(f"{v:<19}{m:>11,.0f}{(f'{m / ref:.3f}x' if ref else ''):>13}{vs_none:>9}{paired:>8}{durable:>17}{dev:>16}{wa:>7}{wait:>14}"
               f"{window:>8}")
     return 0
 

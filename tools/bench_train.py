@@ -351,7 +351,7 @@ def parse_args(argv=None):
                    help="comma-separated subset of none,floor,undo (floor: the bytes of a recovery point copied "
                         "and checksummed, nothing else: BytesFloorCheckpointer in tools/baselines.py)")
     p.add_argument("--window", type=int, default=None,
-                   help="undo variants: a fixed recovery window of W steps (default: from --recovery-budget)")
+                   help="undo and floor variants: a fixed recovery window of W steps (default: from --recovery-budget; floor: 1)")
     p.add_argument("--recovery-budget", type=float, default=1.0, help="undo variants: seconds (default 1.0)")
     p.add_argument("--writer", default="auto", help="undo variants: the journal writer (auto, thread, inline)")
     p.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec reference")
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
         for c in ckpts:
             if c == "floor":
                 variants.append(PoolVariant(f"{t}/floor", cfg, batches, workdir, tier=t, live_dense=True,
-                                            ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds)))
+                                            ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds, window=a.window or 1)))
             elif c in ("none", "undo"):
                 variants.append(PoolVariant(f"{t}/{c}", cfg, batches, workdir, tier=t, checkpoint=c,
                                             window=a.window, recovery_budget=a.recovery_budget, writer=a.writer))
