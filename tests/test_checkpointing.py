@@ -823,10 +823,12 @@ def test_the_dense_state_packed_off_thread_is_the_committed_one_even_when_update
             assert step == k and torch.equal(state["model"]["w"], torch.full((4,), float(k))), (k, state["model"]["w"])
 
 
+@pytest.mark.parametrize("window", [1, 4])
 @pytest.mark.parametrize("tier", ["shm", "pmem"])
-def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_nothing(tmp_path, tier):
+def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_nothing(tmp_path, tier, window):
     """tools/bench_train.py's ``floor`` variant is the undo log's physical floor: the same row
-    and dense bytes copied and checksummed per step, nothing written to the journal."""
+    and dense bytes copied and checksummed (a recovery point every step, or each row once per
+    window of 4), nothing written to the journal."""
     BytesFloorCheckpointer = _baselines().BytesFloorCheckpointer
     from dlrm_cxl.model import PRESETS
 
@@ -835,18 +837,20 @@ def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_no
     spec.loader.exec_module(bench)
     cfg = PRESETS["tiny"]
     batches = bench.make_batches(cfg, 4)
-    undo = bench.PoolVariant("undo", cfg, batches, tmp_path, tier=tier, checkpoint="undo")
+    undo = bench.PoolVariant("undo", cfg, batches, tmp_path, tier=tier, checkpoint="undo", window=window)
     floor = bench.PoolVariant("floor", cfg, batches, tmp_path, tier=tier, live_dense=True,
-                              ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds))
+                              ckpt_factory=lambda pool, ds: BytesFloorCheckpointer(pool, ds, window=window))
+    steps = 3 if window == 1 else 8
     moved = {}
     try:
         for v in (undo, floor):
             v.setup()
             before = v.stats.as_dict()
             records = v.trainer.pool.journal.next_seq
-            v.steps(3)
+            v.steps(steps)
             after = v.stats.as_dict()
-            moved[v.name] = {k: after[k] - before[k] for k in ("log_bytes", "table_bytes_persisted", "dense_bytes")}
+            moved[v.name] = {k: after[k] - before[k] for k in ("log_bytes", "table_bytes_persisted", "dense_bytes",
+                                                                   "checkpoints")}
             moved[v.name]["records"] = v.trainer.pool.journal.next_seq - records
     finally:
         undo.close()
@@ -856,3 +860,5 @@ def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_no
     # The undo log's dense record also holds the state's description (JSON): a few KB a step.
     assert 0 < moved["undo"]["dense_bytes"] - moved["floor"]["dense_bytes"] < 3 * 16384
     assert moved["undo"]["records"] > 0 and moved["floor"]["records"] == 0
+    # (the dense state once per window: at steps 4 and 8 with a window of 4)
+    assert moved["undo"]["checkpoints"] == moved["floor"]["checkpoints"] == steps // window

@@ -33,8 +33,10 @@ steps plus the unfinished one).
   moves and nothing else (the touched rows gathered into a reusable buffer -- before the update
   on a direct tier, after it on a journaled one, as the undo log does -- the dense state's
   tensors copied into another, and a crc32c of both), on the trainer's thread, and makes
-  nothing durable. ``tools/bench_train.py --checkpoints none,floor,undo`` runs it side by side
-  with the real thing: what the undo log costs beyond it is its own overhead (records, Python,
+  nothing durable. With ``window=W`` it moves a recovery window's bytes instead: each row once
+  per window (the rows a step touches first, found with the undo log's own bitmap) and the dense
+  state at the window's last step. ``tools/bench_train.py --checkpoints none,floor,undo
+  [--window W]`` runs it side by side with the real thing: what the undo log costs beyond it is its own overhead (records, Python,
   the journal), what it costs over ``none`` is the price of those bytes on this machine.
 
 Stats (:class:`~checkpointing.base.CheckpointStats`): ``critical_seconds`` is all the time spent
