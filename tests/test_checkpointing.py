@@ -331,7 +331,7 @@ def test_every_checkpointer_yields_its_step_from_the_step_block(tmp_pool_dir):
     dense = Dense()
     try:
         for ck in (NoCheckpointer(pool, dense), FullSaveCheckpointer(pool, dense, every=1)):
-            assert ck.current is None
+            assert ck.current is None and ck.window == 1   # (the trainer's summary reports it)
             with ck.step(1, final=True) as st:
                 assert isinstance(st, Step) and st.k == 1 and st is ck.current
                 ck.log_before_image([(t, torch.tensor([1, 2]))])
@@ -845,6 +845,7 @@ def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_no
     try:
         for v in (undo, floor):
             v.setup()
+            assert v.trainer.ckpt.window == window
             before = v.stats.as_dict()
             records = v.trainer.pool.journal.next_seq
             v.steps(steps)

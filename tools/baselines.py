@@ -110,10 +110,6 @@ class _Synchronous(Checkpointer):
         self._cur: Step | None = None
         self._last_ckpt: int | None = None   # newest step made durable by this checkpointer
 
-    @property
-    def window(self) -> int:
-        return self._window
-
     def begin_step(self, step: int) -> None:
         self._cur = Step(step)
 
@@ -244,7 +240,8 @@ class BytesFloorCheckpointer(Checkpointer):
 
     def log_before_image(self, touched: Touched) -> None:
         t0 = time.perf_counter()
-        self._cur.touched = list(touched)
+        # (kept as given when it is a list: a TouchedRows keeps its one numbering, as the undo log's)
+        self._cur.touched = touched if isinstance(touched, list) else list(touched)
         if not self.pool.journaled:
             if self._first is not None:
                 self._cur.touched = self._first.first_touch(touched)[0]
@@ -271,6 +268,10 @@ class BytesFloorCheckpointer(Checkpointer):
             self.checkpoint_now(step)
         self.stats.critical_seconds += time.perf_counter() - t0
         self._cur = None
+
+    @property
+    def window(self) -> int:
+        return self._window
 
     def checkpoint_now(self, step: int) -> None:
         """Recovery point ``step``: its dense state copied and checksummed (the rows are copied
