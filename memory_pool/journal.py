@@ -167,6 +167,13 @@ class Journal(JournalReader):
         self.read_only = read_only
         self._lock = threading.RLock()
         self._fd: int | None = None
+        # Whether the segment being appended to may hold bytes this writer has not synced: set
+        # by every write into it (_write; a mapped segment's resize happens there too) and by a
+        # new segment's header, cleared by flush(). A flush with nothing to sync is skipped: a
+        # step's commit record alone (recovery windows) then costs one fdatasync, not two. (A
+        # segment reopened by a new writer holds nothing of an earlier one's that is not synced
+        # or cut off: truncate_tail removes, durably, whatever follows the newest END.)
+        self._unsynced = False
         self.bytes_appended = 0       # payload + headers appended by this process
         self._mark_fd: int | None = None   # the committed mark (COMMITTED), opened at its first write
         self._marked_at = 0           # bytes_appended when the mark was last moved
@@ -317,6 +324,7 @@ class Journal(JournalReader):
                 raise_if_full(exc, f"creating journal segment {seg.path}")
             seg.stale_after = self.mapped or self.direct
         self._fd = fd
+        self._unsynced = True  # (its header, and a descriptor new to us)
         self._start_direct(seg)
         with self._lock:
             self._segs.append(seg)
@@ -346,6 +354,7 @@ class Journal(JournalReader):
         """Write records ``[(type, seq, tag, length, parts)]`` contiguously from byte ``off0`` of
         the current segment, filling :class:`Fill` parts in place. Returns their payload crcs."""
         end = off0 + sum(REC.size + e[3] for e in entries)
+        self._unsynced = True  # (before the first byte: a write that fails part-way counts too)
         if self.mapped:
             m = self._map
             if m is None or m.ready < end:
@@ -498,12 +507,16 @@ class Journal(JournalReader):
         return refs
 
     def flush(self) -> None:
-        """Make every appended record durable (``fdatasync``): the write-ahead barrier."""
-        if self._fd is not None and self.sync:
+        """Make every appended record durable (``fdatasync``): the write-ahead barrier. Nothing
+        written since the last one: nothing to do (a step's commit record alone, recovery
+        windows; ``tests/test_journal.py`` counts the syncs)."""
+        if self._fd is not None and self.sync and self._unsynced:
             try:
                 fileio.fdatasync(self._fd)
             except OSError as exc:
                 raise_if_full(exc, f"syncing journal {self.dir}")
+            # (cleared only once the sync returned: a failed one is tried again by the next)
+            self._unsynced = False
             self.syncs += 1
 
     def end(self, tag: int, doc: dict) -> TxnInfo:

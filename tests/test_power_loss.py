@@ -521,3 +521,37 @@ def test_an_empty_segment_left_by_a_power_loss_stays_gone_after_the_next_one(tmp
         fileio.unwatch(tmp_path)
     fileio.power_on(tmp_path)            # what the commit's syncs made durable stays
     assert [t.tag for t in Journal(tmp_path).txns] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_commit_record_alone_costs_one_sync_and_every_record_before_an_end_survives(tmp_path, direct):
+    """``Journal.flush`` skips an ``fdatasync`` with nothing to make durable (a step's commit
+    record alone, inside a recovery window: one sync, not two). What it may never skip: the sync
+    of records written since the last one, before the ``END`` that vouches for them. Every write
+    path marks the segment unsynced -- records, a new segment's header, a reopened one -- and an
+    emulated power loss after each kind of transaction keeps exactly the committed ones."""
+    from memory_pool.journal import Journal, RecordType
+
+    fileio.watch(tmp_path)
+    try:
+        j = Journal(tmp_path, segment_bytes=900, direct=direct)
+        _commit_three_records(j, 0)
+        syncs = j.syncs
+        j.end(1, {"step": 1})                       # a commit record alone: one sync
+        assert j.syncs == syncs + 1
+        _commit_three_records(j, 2)                 # records, then their END: two
+        assert j.syncs == syncs + 3
+        for tag in range(3, 8):                     # across new segments (900 bytes each)
+            _commit_three_records(j, tag) if tag % 2 else j.end(tag, {"step": tag})
+        j.close()
+        again = Journal(tmp_path, segment_bytes=900, direct=direct)   # a descriptor new to it
+        again.append(RecordType.UNDO, 8, [b"x" * 300])
+        again.end(8, {"step": 8})
+        again.close()
+    finally:
+        fileio.unwatch(tmp_path)
+    fileio.power_on(tmp_path)
+    back = Journal(tmp_path)
+    assert [t.tag for t in back.txns] == list(range(9))
+    assert back.tail_damage is None
+    assert bytes(back.read(back.txns[-1].records[0])) == b"x" * 300
