@@ -11,15 +11,11 @@ The on-media format (the directory's files, segment and record headers, record t
 :mod:`memory_pool.segment_format`. The scan at open and reading records back:
 :mod:`memory_pool.journal_reader` (:class:`Journal` is a :class:`JournalReader`).
 
-Recycling (after PostgreSQL's WAL segments). A reclaimed segment is not deleted but renamed to
-``free-*`` and later reused as a new segment: its new header is written and made durable *first*,
-then it is renamed to its ``seg-`` name (a crash in between leaves a ``free-`` file, which is
-ignored). Appends then overwrite pages that already exist: on tmpfs no page is allocated and
-freed per step (on this VM a fresh page costs 4-8x an overwritten one), on a disk no block is
-allocated and ``fdatasync`` has no file-size metadata to commit. The bytes after the valid
-records of a recycled segment are records of its previous life: every one has a sequence number
-below the segment's first, so the scan stops at them exactly as at the end of a fresh segment;
-they are stale, not torn (the ``RECYCLED`` flag in the header says so), and are never read.
+Recycling (after PostgreSQL's WAL): a reclaimed segment is renamed ``free-*`` and reused as a
+new one, its new header durable *before* its ``seg-`` rename (a crash between leaves an ignored
+``free-`` file). Appends then overwrite existing pages (a fresh page costs 4-8x here; no block
+for ``fdatasync`` to allocate). Past its valid records lie its previous life's, each numbered
+below the segment's first: the scan stops there, and the ``RECYCLED`` flag says stale, not torn.
 
 Transactions. Records between two ``END`` records form a transaction; ``END`` carries a tag (the
 training step) and a small JSON document. :meth:`Journal.end` is the commit, after SQLite's
@@ -167,12 +163,8 @@ class Journal(JournalReader):
         self.read_only = read_only
         self._lock = threading.RLock()
         self._fd: int | None = None
-        # Whether the segment being appended to may hold bytes this writer has not synced: set
-        # by every write into it (_write; a mapped segment's resize happens there too) and by a
-        # new segment's header, cleared by flush(). A flush with nothing to sync is skipped: a
-        # step's commit record alone (recovery windows) then costs one fdatasync, not two. (A
-        # segment reopened by a new writer holds nothing of an earlier one's that is not synced
-        # or cut off: truncate_tail removes, durably, whatever follows the newest END.)
+        # Bytes written to the current segment since its last sync (set by _write and by a new
+        # segment's header; a reopened one holds nothing unsynced: truncate_tail cut it durably).
         self._unsynced = False
         self.bytes_appended = 0       # payload + headers appended by this process
         self._mark_fd: int | None = None   # the committed mark (COMMITTED), opened at its first write
@@ -507,16 +499,14 @@ class Journal(JournalReader):
         return refs
 
     def flush(self) -> None:
-        """Make every appended record durable (``fdatasync``): the write-ahead barrier. Nothing
-        written since the last one: nothing to do (a step's commit record alone, recovery
-        windows; ``tests/test_journal.py`` counts the syncs)."""
+        """Make every appended record durable (``fdatasync``): the write-ahead barrier; skipped
+        when nothing was written since the last one (a step's END alone: one sync, not two)."""
         if self._fd is not None and self.sync and self._unsynced:
             try:
                 fileio.fdatasync(self._fd)
             except OSError as exc:
                 raise_if_full(exc, f"syncing journal {self.dir}")
-            # (cleared only once the sync returned: a failed one is tried again by the next)
-            self._unsynced = False
+            self._unsynced = False  # (only once it returned: a failed sync is tried again)
             self.syncs += 1
 
     def end(self, tag: int, doc: dict) -> TxnInfo:
