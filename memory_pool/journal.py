@@ -163,8 +163,7 @@ class Journal(JournalReader):
         self.read_only = read_only
         self._lock = threading.RLock()
         self._fd: int | None = None
-        # Bytes written to the current segment since its last sync (set by _write and by a new
-        # segment's header; a reopened one holds nothing unsynced: truncate_tail cut it durably).
+        # Written to since its last sync? (_write, a new segment; truncate_tail cuts what's unsynced)
         self._unsynced = False
         self.bytes_appended = 0       # payload + headers appended by this process
         self._mark_fd: int | None = None   # the committed mark (COMMITTED), opened at its first write
@@ -346,7 +345,7 @@ class Journal(JournalReader):
         """Write records ``[(type, seq, tag, length, parts)]`` contiguously from byte ``off0`` of
         the current segment, filling :class:`Fill` parts in place. Returns their payload crcs."""
         end = off0 + sum(REC.size + e[3] for e in entries)
-        self._unsynced = True  # (before the first byte: a write that fails part-way counts too)
+        self._unsynced = True  # (first: a write that fails part-way counts too)
         if self.mapped:
             m = self._map
             if m is None or m.ready < end:
