@@ -299,7 +299,9 @@ class Compaction:
                 r = self._tables[name].region
                 if ids.numel():
                     raw = r.tensor.view(torch.uint8).view(r.rows, r.row_bytes).index_select(0, ids)
+                    asked = r.pages_prefetched
                     self.stats.bytes_written_back += r.write_back(ids, raw)
+                    self.stats.pages_prefetched += r.pages_prefetched - asked
                     self._unsynced.add(name)
                 r.trim()
         self.stats.refreshes += 1

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import json
@@ -33,7 +32,7 @@ from typing import Callable
 import torch
 
 from .errors import CompactionError, DlrmCxlError, PoolCorruptError
-from .arena import PAGE, Arena
+from .arena import Arena
 from .durable import json_crc_ok, json_with_crc, raise_if_full
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
@@ -41,7 +40,7 @@ from .overlay import DENSE_FRACTION
 from .tiers import shm_root
 from .threads import one_intra_op_thread
 
-__all__ = ["persist_rows", "replay_plan", "table_resets", "replay_rows", "prefetch_if_cold", "newest_mask", "latest",
+__all__ = ["persist_rows", "replay_plan", "table_resets", "replay_rows", "newest_mask", "latest",
            "absorb_rows", "Compactor", "CompactionError", "AppliedMark", "APPLIED_PREFIX", "stale_marks"]
 
 APPLIED_PREFIX = "dlrm-cxl-applied."   # <shm root>/dlrm-cxl-applied.<pool id>.<key>: see AppliedMark
@@ -167,48 +166,6 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
     return written
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-
-
-def _resident(addr: int, offsets: list[int]) -> float:
-    """Fraction of the pages at ``addr + offsets`` that are in the page cache (``mincore``: for a
-    file mapping it looks the page up in the file's cache, mapped here or not)."""
-    vec, hits = ctypes.c_ubyte(), 0
-    for off in offsets:
-        if _libc.mincore((addr + off) & ~(PAGE - 1), PAGE, ctypes.byref(vec)) == 0 and vec.value & 1:
-            hits += 1
-    return hits / max(1, len(offsets))
-
-
-def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample: int = 64) -> int:
-    """Before a replay into a private mapping (at ``addr``) of the image ``fd``: when the pages
-    the rows of ``parts`` land in are mostly not in the page cache (after a reboot or a power
-    loss), ask the kernel to read them all now (``POSIX_FADV_WILLNEED`` per run of pages), so
-    that they come from the disk at its full queue depth instead of one synchronous read per
-    copy-on-write fault. Returns the pages asked for (0: they are cached; a few ``mincore``
-    calls decide). Measured on `kaggle` (1.16 M rows on 438k pages, the image not cached):
-    opening took 10.0-11.4 s, 6.6-6.9 s with this; with the pages cached, the calls cost ~0.5 s, which is
-    why they are made only for a cold image."""
-    ids = torch.cat([p[0] for p in parts])
-    if ids.numel() == 0:
-        return 0
-    step = max(1, ids.numel() // sample)
-    if _resident(addr, (ids[::step][:sample] * row_bytes).tolist()) >= 0.5:
-        return 0
-    start = ids * row_bytes
-    pages = torch.unique(torch.cat([start // PAGE, (start + row_bytes - 1) // PAGE]))
-    brk = torch.nonzero(pages[1:] - pages[:-1] > 1).flatten() + 1
-    firsts = torch.cat([pages[:1], pages[brk]]).tolist()
-    lasts = torch.cat([pages[brk - 1], pages[-1:]]).tolist()
-    try:
-        for a, b in zip(firsts, lasts):
-            os.posix_fadvise(fd, a * PAGE, (b - a + 1) * PAGE, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        return 0  # advice only: a file system that refuses it replays as before
-    return pages.numel()
-
-
 def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
                 dense: float = DENSE_FRACTION, resets: dict[str, int] | None = None) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
@@ -229,12 +186,14 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
             parts.setdefault(name, []).append((ids, raw))
     for name, p in parts.items():
         region = tables[name].region
+        asked = region.pages_prefetched  # (cold pages asked for first: FileRegion._will_store)
         if overlay is not None:
             overlay.absorb(name, *latest(p, region.rows), dense=dense)
         elif coalesce:
             stats.bytes_written_back += region.write_back(*latest(p, region.rows))
         else:
             stats.bytes_written_back += region.write_back_in_order(p)
+        stats.pages_prefetched += region.pages_prefetched - asked
     return set(parts)
 
 

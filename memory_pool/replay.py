@@ -24,7 +24,8 @@ from .compaction import Compaction
 from .journal import Journal
 from .ondemand import PendingRows
 from .overlay import Overlay
-from .persistence import prefetch_if_cold, replay_plan, replay_rows
+from .persistence import replay_plan, replay_rows
+from .tiers import prefetch_if_cold
 from .table import PoolStats, Table
 from .threads import one_intra_op_thread
 

@@ -84,7 +84,7 @@ class PoolStats:
     run_rows_deferred: int = 0      # of rows_deferred, rows of the row overlay's runs (memory_pool/overlay.py)
     run_rows_replayed: int = 0      # rows of the row overlay's runs written into the working copy
     bytes_to_runs: int = 0          # bytes of run files the row overlay wrote (memory_pool/overlay.py)
-    pages_prefetched: int = 0       # image pages asked for before that replay (0 when they were cached)
+    pages_prefetched: int = 0       # image pages asked for before a replay or a write-back into them (0: cached)
     compact_seconds: float = 0.0    # wall time of the compactions and applies (on their background thread)
     compact_cpu_seconds: float = 0.0  # CPU of the compactor's thread (not torch's worker threads)
 

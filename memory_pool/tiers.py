@@ -27,6 +27,7 @@ form one flat range that fbgemm's table-batched kernels index with per-table off
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -42,7 +43,8 @@ from ._native import libpmem
 from .arena import Arena
 from .errors import InvalidConfigError, PoolCorruptError, PoolFullError
 
-__all__ = ["TIERS", "Tier", "tier_of", "resolve_tier", "DEFAULT_TIER", "Region", "FileRegion", "open_region", "shm_root", "detect_dax"]
+__all__ = ["TIERS", "Tier", "tier_of", "resolve_tier", "DEFAULT_TIER", "Region", "FileRegion", "open_region", "shm_root", "detect_dax",
+           "prefetch_if_cold"]
 
 def shm_root() -> Path:
     return Path(os.environ.get("DLRM_CXL_SHM_DIR", "/dev/shm"))
@@ -171,6 +173,48 @@ _LONG_RUN = 64 << 10
 _PAGE = 4096  # the page a fault reads (will_need)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def _resident(addr: int, offsets: list[int]) -> float:
+    """Fraction of the pages at ``addr + offsets`` that are in the page cache (``mincore``: for a
+    file mapping it looks the page up in the file's cache, mapped here or not)."""
+    vec, hits = ctypes.c_ubyte(), 0
+    for off in offsets:
+        if _libc.mincore((addr + off) & ~(_PAGE - 1), _PAGE, ctypes.byref(vec)) == 0 and vec.value & 1:
+            hits += 1
+    return hits / max(1, len(offsets))
+
+
+def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample: int = 64) -> int:
+    """Before a replay into a private mapping (at ``addr``) of the image ``fd``: when the pages
+    the rows of ``parts`` land in are mostly not in the page cache (after a reboot or a power
+    loss), ask the kernel to read them all now (``POSIX_FADV_WILLNEED`` per run of pages), so
+    that they come from the disk at its full queue depth instead of one synchronous read per
+    copy-on-write fault. Returns the pages asked for (0: they are cached; a few ``mincore``
+    calls decide). Measured on `kaggle` (1.16 M rows on 438k pages, the image not cached):
+    opening took 10.0-11.4 s, 6.6-6.9 s with this; with the pages cached, the calls cost ~0.5 s, which is
+    why they are made only for a cold image."""
+    ids = torch.cat([p[0] for p in parts])
+    if ids.numel() == 0:
+        return 0
+    step = max(1, ids.numel() // sample)
+    if _resident(addr, (ids[::step][:sample] * row_bytes).tolist()) >= 0.5:
+        return 0
+    start = ids * row_bytes
+    pages = torch.unique(torch.cat([start // _PAGE, (start + row_bytes - 1) // _PAGE]))
+    brk = torch.nonzero(pages[1:] - pages[:-1] > 1).flatten() + 1
+    firsts = torch.cat([pages[:1], pages[brk]]).tolist()
+    lasts = torch.cat([pages[brk - 1], pages[-1:]]).tolist()
+    try:
+        for a, b in zip(firsts, lasts):
+            os.posix_fadvise(fd, a * _PAGE, (b - a + 1) * _PAGE, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        return 0  # advice only: a file system that refuses it replays as before
+    return pages.numel()
+
+
 class Region:
     """Rows of one table: ``tensor`` is a live [rows, dim] view of them inside the pool's arena."""
 
@@ -282,6 +326,7 @@ class FileRegion(Region):
         self.journaled = journaled
         self._home = None  # (mmap, view): the image mapped shared, for the write-back (home())
         self._random = False  # read_randomly() was called: no readahead on home() either
+        self.pages_prefetched = 0  # image pages asked for before write-backs into them (_will_store)
         flags = os.O_RDONLY if read_only else os.O_RDWR
         if create:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
@@ -361,6 +406,7 @@ class FileRegion(Region):
         is_break = ids[1:] != ids[:-1] + 1
         if ids.numel() * rb < (int(is_break.sum()) + 1) * _LONG_RUN:
             with self.home() as home:
+                self._will_store(home, [(ids,)])
                 if fileio.needs_notes(self.fd):  # a store no system call sees: noted (fileio)
                     fileio.note_rows(self.fd, ids.numpy(), rb, home.index_select(0, ids).numpy())
                 home.index_copy_(0, ids, raw)
@@ -382,12 +428,23 @@ class FileRegion(Region):
         parts ends up with its last value; ids distinct within a part). Not synced."""
         n = 0
         with self.home() as home:
+            self._will_store(home, parts)
             for ids, raw in parts:
                 if fileio.needs_notes(self.fd):  # a store no system call sees: noted (fileio)
                     fileio.note_rows(self.fd, ids.numpy(), self.row_bytes, home.index_select(0, ids).numpy())
                 home.index_copy_(0, ids, raw)
                 n += ids.numel() * self.row_bytes
         return n
+
+    def _will_store(self, home: torch.Tensor, parts) -> None:
+        """Before rows ``[(ids, ...)]`` are stored through :meth:`home`: each page not in the page
+        cache would be read by its fault, one synchronous read after the other. Where they are
+        mostly not cached (an image whose pages a DRAM cache's trims and refreshes gave back,
+        ``MemoryPool.trim_working_copy``), ask for them all first, read at the disk's queue depth
+        (``prefetch_if_cold``, sampled on this shared mapping: the image's own page cache).
+        Measured on `kaggle` behind a 2.2 GB DRAM cache on emulated pmem: the trims' write-back
+        passes 8.7 -> 3.5 s over 90 steps, 5.9k -> 7.8-8.0k samples/s."""
+        self.pages_prefetched += prefetch_if_cold(self.fd, home.data_ptr(), self.row_bytes, parts)
 
     def start_writeback(self, first_row: int, end_row: int) -> None:
         """Start the device on rows ``[first_row, end_row)`` written to the image (a bulk load):

@@ -191,3 +191,32 @@ def test_a_compaction_after_trusting_the_mark_syncs_the_images_an_earlier_proces
         pool.compact()
         assert pool.stats.bytes_compacted > 0
     assert "t.bin" in synced
+
+
+def test_a_write_back_into_an_image_out_of_the_page_cache_asks_for_its_pages_first(tmp_pool_dir, monkeypatch):
+    """A write-back stores rows through a shared mapping of the image: a page out of the page
+    cache is read by its fault, one synchronous read after another. Where they are mostly not
+    cached (a DRAM cache's trims give an image's pages back), they are asked for all at once
+    first (``FileRegion._will_store``); where they are cached, nothing is asked. The rows land
+    the same either way."""
+    pool, _, ref = new_pool(tmp_pool_dir, "pmem", rows=ROWS, dim=DIM)
+    pool.close()
+    monkeypatch.setenv(*SMALL_SEGMENTS)
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        ids = persist_txns(pool, [3, 4, 5])
+        fd = os.open(tmp_pool_dir / "tables" / "t.bin", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (clean: the rows are in the journal)
+        finally:
+            os.close(fd)
+        pool.apply(wait=True)
+        assert pool.stats.applies == 1
+        assert pool.stats.pages_prefetched == ids.numel() * DIM * 4 // 4096
+        more = persist_txns(pool, [6], first_row=0)              # the same pages, cached now
+        pool.apply(wait=True)
+        assert pool.stats.applies == 2 and pool.stats.pages_prefetched == ids.numel() * DIM * 4 // 4096
+    ref[ids] = values_of([3, 4, 5])
+    ref[more] = values_of([6])
+    assert torch.equal(image_rows(tmp_pool_dir, ids), ref[ids])
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert torch.equal(all_rows(pool.table("t")), ref)
