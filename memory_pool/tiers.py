@@ -525,7 +525,9 @@ class FileRegion(Region):
         copy that follows wait on reads already in flight, many at a time, instead of one after
         the other (a DRAM cache's misses, ``MADV_RANDOM``: random 4 KiB reads of this VM's disk,
         12k/s one at a time, 32k/s sixteen at a time). Pages already cached cost a lookup."""
-        if not ids.numel() or not self.nbytes or self.shared:  # (shared: shm, real pmem -- memory)
+        if not ids.numel() or not self.nbytes or self.shared or self.keep_cached:
+            # (shared: shm, real pmem -- memory; kept cached: read ahead whole, its pages stay,
+            # and a call per run of pages would cost ~2 us each for nothing)
             return 0
         rb = self.row_bytes
         at = ids * rb
