@@ -188,14 +188,13 @@ def _resident(addr: int, offsets: list[int]) -> float:
 
 
 def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample: int = 64) -> int:
-    """Before a replay into a private mapping (at ``addr``) of the image ``fd``: when the pages
-    the rows of ``parts`` land in are mostly not in the page cache (after a reboot or a power
-    loss), ask the kernel to read them all now (``POSIX_FADV_WILLNEED`` per run of pages), so
-    that they come from the disk at its full queue depth instead of one synchronous read per
-    copy-on-write fault. Returns the pages asked for (0: they are cached; a few ``mincore``
-    calls decide). Measured on `kaggle` (1.16 M rows on 438k pages, the image not cached):
-    opening took 10.0-11.4 s, 6.6-6.9 s with this; with the pages cached, the calls cost ~0.5 s, which is
-    why they are made only for a cold image."""
+    """Before a replay into a private mapping (at ``addr``) of the image ``fd``, or a write-back
+    through a shared one (``FileRegion._will_store``): when the pages the rows of ``parts`` land
+    in are mostly not in the page cache (a reboot, a power loss, a trim), ask the kernel for them
+    all now (``POSIX_FADV_WILLNEED`` per run of pages): read at the disk's queue depth, not one
+    synchronous read per fault. Returns the pages asked for (0: cached; a few ``mincore`` calls
+    decide). Measured on `kaggle` (1.16 M rows on 438k pages, not cached): opening took
+    10.0-11.4 s, 6.6-6.9 s with this; on cached pages the calls cost ~0.5 s, hence only if cold."""
     ids = torch.cat([p[0] for p in parts])
     if ids.numel() == 0:
         return 0
