@@ -157,8 +157,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def distinct_sorted(ids, *, narrow: bool = False) -> torch.Tensor:
-    """The distinct values of ``ids`` (1-D integers: a tensor or a NumPy array), sorted, as int64:
-    ``torch.unique(ids, sorted=True)``, with a sort and a neighbour mask on the CPU.
+    """The distinct values of ``ids`` (1-D integers: a tensor or a NumPy array), sorted, as a CPU
+    int64 tensor: ``torch.unique(ids, sorted=True)``, with a sort and a neighbour mask.
     ``narrow``: every value fits in int32 (4-byte keys sort faster).
 
     Which sort: torch's, measured on `small`'s 53k ids a step (one thread, best of 7 over 32
@@ -166,9 +166,7 @@ def distinct_sorted(ids, *, narrow: bool = False) -> torch.Tensor:
     and ~0.8 for ``torch.unique``. (On 2026-12-03's host NumPy's took 0.39: the sorts' ranking is
     the CPU's; torch's has the smaller spread.) The plan runs on the prefetch thread, whose CPU
     the step's OpenMP threads lose on a 2-core machine."""
-    if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
-        return torch.unique(ids, sorted=True).to(torch.int64)
-    t = torch.as_tensor(ids)
+    t = torch.as_tensor(ids).cpu()
     if narrow and t.dtype != torch.int32:
         t = t.to(torch.int32)
     s = torch.sort(t).values.numpy()
@@ -306,24 +304,18 @@ class PoolDLRM(nn.Module):
                 return plan
             # Distinct rows of every table with one sort: shift each table's ids by the rows of
             # the tables before it, unique once, split at the table boundaries.
+            # (NumPy for these whole-batch array operations: one call each, no torch dispatch;
+            # the ids are on the CPU -- a batch's sparse input is, whatever the dense device.)
             base = self._row_base
-            if values.device.type == "cpu":
-                # (NumPy for these whole-batch array operations: one call each, no torch dispatch.)
-                nb = base.numpy()
-                narrow = int(nb[-1]) < 2**31
-                shifted = values.numpy().astype(np.int32 if narrow else np.int64)
-                shifted += np.repeat(nb[:-1].astype(shifted.dtype), np.diff(np.asarray(bounds)))
-                uniq = distinct_sorted(shifted)
-                u = uniq.numpy()
-                cut = np.searchsorted(u, nb)
-                local = u - np.repeat(nb[:-1], np.diff(cut))
-                plan.rows = [torch.from_numpy(local[cut[f]:cut[f + 1]]) for f in range(len(self.features))]
-            else:
-                lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
-                uniq = distinct_sorted(values + torch.repeat_interleave(base[:-1].to(values.device),
-                                                                        lens.to(values.device))).cpu()
-                cut = torch.searchsorted(uniq, base).tolist()
-                plan.rows = [uniq[cut[f]:cut[f + 1]] - base[f] for f in range(len(self.features))]
+            nb = base.numpy()
+            narrow = int(nb[-1]) < 2**31
+            shifted = values.cpu().numpy().astype(np.int32 if narrow else np.int64)
+            shifted += np.repeat(nb[:-1].astype(shifted.dtype), np.diff(np.asarray(bounds)))
+            uniq = distinct_sorted(shifted)
+            u = uniq.numpy()
+            cut = np.searchsorted(u, nb)
+            local = u - np.repeat(nb[:-1], np.diff(cut))
+            plan.rows = [torch.from_numpy(local[cut[f]:cut[f + 1]]) for f in range(len(self.features))]
             plan.global_rows, plan.row_base = uniq, base
             if self.cache_bags is not None:  # (lookahead: the rows read into the DRAM cache now)
                 plan.cache_seq = self.cache_bags.prefetch(plan.rows, self._cache_rows(plan))
