@@ -165,20 +165,30 @@ def test_training_over_recycled_segments_resumes_bit_exact_after_sigkill(tmp_pat
     import torture
 
     env = {**os.environ, "DLRM_CXL_COMPACT_MB": "0.25", "PYTHONPATH": str(REPO)}
-    common = ["--preset", "tiny", "--tier", tier, "--steps", "40", "--threads", "1", "--no-progress"]
+    common = ["--preset", "tiny", "--tier", tier, "--threads", "1", "--no-progress"]
 
-    def train(pool, *extra):
-        return subprocess.run(torture.cli_cmd("train", "--pool", pool, *common, *extra), capture_output=True,
-                              text=True, timeout=600, cwd=REPO, env=env)
+    def train(pool, steps, *extra):
+        return subprocess.run(torture.cli_cmd("train", "--pool", pool, *common, "--steps", steps, *extra),
+                              capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
-    crashed = train(tmp_path / "crashed", "--crash-at", "33:mid-update")
-    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    def recycled(jdir):
+        return {p.name for p in jdir.glob("seg-*.log") if SEG.unpack(p.read_bytes()[:SEG.size])[3] & SEG_RECYCLED}
+
+    # A clean first run: closing waits for the background compactions, so segments have been
+    # reclaimed and reused by then whatever the machine's speed. (Killed in one run, whether a
+    # compaction had finished by the kill was timing: a loaded CI machine once had none.)
+    first = train(tmp_path / "crashed", 25)
+    assert first.returncode == 0, first.stderr[-2000:]
     header = json.loads((tmp_path / "crashed" / "pool.json").read_text())
     jdir = Path(header["storage_dir"] if tier == "shm" else tmp_path / "crashed") / "journal"
-    assert list(jdir.glob("seg-*.log")) and (jdir / "START").exists()
-    reused = [p for p in jdir.glob("seg-*.log") if SEG.unpack(p.read_bytes()[:SEG.size])[3] & SEG_RECYCLED]
-    assert reused, "the run must have reused reclaimed segments for the test to mean anything"
-    resumed, ref = train(tmp_path / "crashed"), train(tmp_path / "ref")
+    assert (jdir / "START").exists() and list(jdir.glob("free-*.log")), sorted(p.name for p in jdir.iterdir())
+    before = recycled(jdir)
+    assert before, "the run must have reused reclaimed segments for the test to mean anything"
+    crashed = train(tmp_path / "crashed", 40, "--crash-at", "33:mid-update")
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    # the killed run appended into a segment reused after the first run
+    assert recycled(jdir) - before, (sorted(before), sorted(p.name for p in jdir.iterdir()))
+    resumed, ref = train(tmp_path / "crashed", 40), train(tmp_path / "ref", 40)
     assert resumed.returncode == 0 and ref.returncode == 0, resumed.stderr[-2000:] + ref.stderr[-2000:]
     a, b = torture.parse_digest(resumed.stdout), torture.parse_digest(ref.stdout)
     assert a is not None and a == b
