@@ -573,9 +573,22 @@ class CacheArena:
     def take_spilled(self) -> list[torch.Tensor]:
         """Per group, the sorted distinct rows written into the home since the last call (a
         journaled working copy's own pages: ``MemoryPool.trim_working_copy(names, written)`` writes them into
-        the images before it maps them afresh), forgotten here."""
+        the images before it maps them afresh, and from then on no older journal record is
+        written over them: ``Compaction.refresh``), forgotten here. Except the rows cached
+        again and changed since: their home holds an older value than their dirty slot, which
+        is what reads them until it is evicted (and written home again) or a trim writes every
+        committed row."""
         with self._lock:
-            out = [torch.unique(torch.cat(x)) if x else torch.empty(0, dtype=torch.int64) for x in self._spilled]
+            out = []
+            for g, x in zip(self.groups, self._spilled):
+                rows = torch.unique(torch.cat(x)) if x else torch.empty(0, dtype=torch.int64)
+                slot = g.row_slot.index_select(0, rows)
+                cached = (slot >= 0).nonzero().squeeze(1)
+                if cached.numel():
+                    newer = torch.zeros(rows.numel(), dtype=torch.bool)
+                    newer[cached] = g.dirty.index_select(0, slot[cached].to(torch.int64))
+                    rows = rows[~newer]
+                out.append(rows)
             self._spilled = [[] for _ in self.groups]
         return out
 

@@ -95,6 +95,9 @@ class Compaction:
             self._unsynced = set(table_names)
         # The journal's reset markers (bulk loads): a table's older rows no longer count.
         self.resets = table_resets(journal) if journaled else {}
+        # Rows a refresh wrote into the images, newest as of a sequence number: [(seq, {table:
+        # sorted rows})]. A write-back pass of older records skips them (see refresh()).
+        self._refreshed: list[tuple[int, dict]] = []
 
     # -- the compactor's thread
     @property
@@ -225,9 +228,12 @@ class Compaction:
         an ``overlay``: all of them, which it writes home or keeps in its new run)."""
         since = self._applied if overlay is None else 0
         pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
+        # (a refresh's entry matters while records below it may still be written back)
+        self._refreshed = [e for e in self._refreshed if e[0] > self.journal.start_seq]
         if pending:
             self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
-                                          overlay=overlay, dense=dense, resets=self.resets)
+                                          overlay=overlay, dense=dense, resets=self.resets,
+                                          superseded=self._refreshed)
 
     @property
     def overlay_bound(self) -> int:
@@ -294,6 +300,14 @@ class Compaction:
         self.wait()
         if not self._journaled or self.overlay is not None:
             return False
+        # The rows written hold their newest committed value (CacheArena.take_spilled leaves
+        # out those a DRAM cache holds newer): every record below this sequence number is
+        # older. A later write-back pass of such records must not put an older value back
+        # under a working copy that reads the image -- an apply pass writes the sealed segments
+        # since the applied position record after record, and a row written here could read
+        # back, for seconds, the value of a window long gone: it skips these rows (absorb_rows'
+        # superseded; tests/test_applied_mark.py, tests/test_dram_cache.py).
+        self._refreshed.append((self.journal.next_seq, {n: ids.numpy() for n, ids in written.items() if ids.numel()}))
         with self._image_lock:  # (home()'s mapping is dropped below: never beside a write-back)
             for name, ids in written.items():
                 r = self._tables[name].region

@@ -29,6 +29,7 @@ from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .errors import CompactionError, DlrmCxlError, PoolCorruptError
@@ -167,7 +168,8 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
 
 
 def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
-                dense: float = DENSE_FRACTION, resets: dict[str, int] | None = None) -> set[str]:
+                dense: float = DENSE_FRACTION, resets: dict[str, int] | None = None,
+                superseded: list | None = None) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
     sorted and coalesced (compaction); or (``coalesce=False``: a few segments at a time, as they
     are sealed) record after record in journal order, the newest landing last -- no sort, and
@@ -175,7 +177,10 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     returns the names of the tables written, which the caller makes durable (fdatasync) before
     the records are dropped. ``overlay`` (a compaction of a pool with a row overlay,
     memory_pool/overlay.py): the newest values go to :meth:`Overlay.absorb` instead, which writes
-    the dense pages home and keeps the other rows for its new run (``dense``: its threshold)."""
+    the dense pages home and keeps the other rows for its new run (``dense``: its threshold).
+    ``superseded`` (``[(seq, {table: sorted rows})]``, ``Compaction.refresh``): those rows of a
+    table were written into its image with their newest value as of sequence number ``seq``:
+    a record below ``seq`` no longer writes them (it would put an older value back)."""
     parts: dict[str, list] = {}
     for ref, payload in journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
         for name, ids, raw in decode_row_set(payload):
@@ -183,6 +188,8 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
             # and the segments are reused only after this returns): latest() copies them once.
             if resets and ref.seq < resets.get(name, -1):
                 continue  # (older than a bulk load of the table: writing them back would undo it)
+            if superseded:
+                ids, raw = _not_superseded(superseded, ref.seq, name, ids, raw)
             parts.setdefault(name, []).append((ids, raw))
     for name, p in parts.items():
         region = tables[name].region
@@ -195,6 +202,18 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
             stats.bytes_written_back += region.write_back_in_order(p)
         stats.pages_prefetched += region.pages_prefetched - asked
     return set(parts)
+
+
+def _not_superseded(superseded: list, seq: int, name: str, ids: torch.Tensor, raw: torch.Tensor):
+    """The rows of a record at ``seq`` that no later refresh wrote (see :func:`absorb_rows`)."""
+    newer = [rows[name] for at, rows in superseded if at > seq and name in rows]
+    if not newer:
+        return ids, raw
+    keep = ~np.isin(ids.numpy(), np.concatenate(newer) if len(newer) > 1 else newer[0])
+    if keep.all():
+        return ids, raw
+    keep = torch.from_numpy(keep)
+    return ids[keep], raw[keep]
 
 
 def compaction_error(exc: BaseException) -> BaseException:

@@ -220,3 +220,28 @@ def test_a_write_back_into_an_image_out_of_the_page_cache_asks_for_its_pages_fir
     assert torch.equal(image_rows(tmp_pool_dir, ids), ref[ids])
     with MemoryPool.open(tmp_pool_dir) as pool:
         assert torch.equal(all_rows(pool.table("t")), ref)
+
+
+def test_a_write_back_pass_does_not_put_an_older_value_under_rows_a_refresh_wrote(tmp_pool_dir, monkeypatch):
+    """A refresh (a DRAM cache's dirty rows evicted into the working copy, written into the
+    image, which is mapped afresh) writes rows newer than journal records not written back
+    yet. A pass that then writes those records (sealed segments, record after record) must
+    skip the rows the refresh wrote, or the working copy, which reads the image, shows an older
+    value: the next miss of the row would train on it."""
+    pool, _, ref = new_pool(tmp_pool_dir, "pmem", rows=ROWS, dim=DIM)
+    pool.close()
+    monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", str(3 * 4096 / (1 << 20)))   # two transactions a segment
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        t = pool.table("t")
+        ids = persist_txns(pool, [1])                # rows 0..15 = 1
+        other = persist_txns(pool, [5], first_row=64)  # rows no refresh writes: written back as usual
+        pool.journal.rotate()                        # (both sealed)
+        persist_txns(pool, [3])                      # rows 0..15 = 3, in the segment being written
+        assert pool.trim_working_copy(["t"], {"t": ids})   # a refresh: 3 into the image
+        pool.apply(wait=True)                        # the sealed segment: 1 and 5
+        assert pool.stats.applies == 1 and pool.stats.refreshes == 1
+        assert torch.equal(t.read(ids), values_of([3]))
+        assert torch.equal(image_rows(tmp_pool_dir, other), values_of([5]))
+    ref[ids], ref[other] = values_of([3]), values_of([5])
+    with MemoryPool.open(tmp_pool_dir) as pool:
+        assert torch.equal(all_rows(pool.table("t")), ref)
