@@ -228,12 +228,14 @@ class Compaction:
         an ``overlay``: all of them, which it writes home or keeps in its new run)."""
         since = self._applied if overlay is None else 0
         pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
-        # (a refresh's entry matters while records below it may still be written back)
+        # (a refresh's entry matters while records below it may still be written back. Never
+        # with an overlay, which refresh() refuses: a run's older value of a refreshed row would
+        # need the tombstone that only the skipped record gives it.)
         self._refreshed = [e for e in self._refreshed if e[0] > self.journal.start_seq]
         if pending:
             self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
                                           overlay=overlay, dense=dense, resets=self.resets,
-                                          superseded=self._refreshed)
+                                          superseded=self._refreshed if overlay is None else None)
 
     @property
     def overlay_bound(self) -> int:
