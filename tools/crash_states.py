@@ -97,9 +97,13 @@ def _recover(cli: Cli, pool: Path) -> tuple[int, dict | None, str]:
 
 
 def sweep(*, tier: str = "power-sim", steps: int = 24, kills: int = 12, states: int = 8, seed: int = 0,
-          pool_dir: Path, resume: bool = True, log=print, window: int | None = 1) -> Sweep:
+          pool_dir: Path, resume: bool = True, log=print, window: int | None = 1,
+          phases: tuple[str, ...] | None = None) -> Sweep:
     """``window``: the trainer's --window (1, the default: a recovery point with its rows every
-    step, the most syncs per step; None: the recovery budget chooses)."""
+    step, the most syncs per step; None: the recovery budget chooses). ``phases``: kill ``i``
+    at ``phases[i % len(phases)]`` (default: a phase drawn from every step phase and
+    ``random``). A ``random`` kill may land where nothing is unsynced; ``mid-dense`` never does
+    (the crash comes between a recovery point's dense-state write and its sync)."""
     rng = random.Random(seed)
     env = dict(SMALL_THRESHOLDS)
     if tier == "pmem":
@@ -117,6 +121,8 @@ def sweep(*, tier: str = "power-sim", steps: int = 24, kills: int = 12, states: 
         log(f"crash-states: references for {steps} steps of tiny on {tier}: ok")
         for i in range(kills):
             k, phase = rng.randrange(2, steps), rng.choice(STEP_PHASES + ("random",))
+            if phases:
+                phase = phases[i % len(phases)]
             killed = pool_dir / f"kill-{i}"
             run = cli.run(["train", "--pool", str(killed), "--steps", str(steps), "--crash-at", f"{k}:{phase}", *flags])
             label = f"{k}:{phase}"

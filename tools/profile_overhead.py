@@ -4,7 +4,9 @@
 
 Prints, over ``--steps`` steps after ``--warmup``: the wall time per step; the CPU time of each
 thread (``/proc/self/task/*/stat``: the trainer's thread, the prefetch thread, the journal's
-threads, torch's OpenMP workers); and the wall time per step spent in the checkpointer's and the
+threads, torch's OpenMP workers) and what each made the device read (``/proc/self/task/*/io``:
+on a disk home behind a DRAM cache, the misses on the prefetch thread against the trims'
+write-backs on the trainer's); and the wall time per step spent in the checkpointer's and the
 cache's main calls (timed by wrapping them: ``WindowRows.first_touch``, ``Transaction.undo``,
 ``UndoLogCheckpointer.log_before_image`` / ``commit``, ``CacheArena.begin`` / ``end`` /
 ``prefetch`` / ``_admit_all``), by the thread that made them.
@@ -63,20 +65,27 @@ class Timers:
         setattr(cls, name, timed)
 
 
-def cpu_by_thread() -> collections.Counter:
-    """CPU seconds so far of each of this process's threads, by name (torch's OpenMP workers,
-    which Python does not know, together)."""
+def by_thread() -> tuple[collections.Counter, collections.Counter]:
+    """(CPU seconds, bytes read from the device) so far of each of this process's threads, by
+    name (torch's OpenMP workers, which Python does not know, together). The bytes are
+    ``/proc/self/task/*/io`` ``read_bytes``: what the thread made the device read -- its page
+    faults and its synchronous reads; readahead asked for with ``POSIX_FADV_WILLNEED`` counts
+    for the thread that asked."""
     tck = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out: collections.Counter = collections.Counter()
+    cpu: collections.Counter = collections.Counter()
+    read: collections.Counter = collections.Counter()
     for tid in os.listdir("/proc/self/task"):
+        name = names.get(int(tid), "openmp workers and others")
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[names.get(int(tid), "openmp workers and others")] += (int(fields[11]) + int(fields[12])) / tck
-    return out
+            cpu[name] += (int(fields[11]) + int(fields[12])) / tck
+            with open(f"/proc/self/task/{tid}/io") as f:
+                read[name] += next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+        except (OSError, StopIteration):
+            continue  # (a thread that ended meanwhile)
+    return cpu, read
 
 
 def main(argv=None) -> int:
@@ -105,13 +114,16 @@ def main(argv=None) -> int:
                 if k == a.warmup + 1:
                     tr.ckpt.drain()
                     timers.seconds.clear()
-                    c0, t0 = cpu_by_thread(), time.perf_counter()
+                    (c0, r0), t0 = by_thread(), time.perf_counter()
                 batch, pos, plan = next(batches)
                 tr.set_batch_position(k, pos)
                 ts = time.perf_counter()
                 tr.train_step(k, batch, plan)
                 tr.ckpt.observe_step(time.perf_counter() - ts)  # (as Trainer.run: the window follows it)
-            wall, c1 = time.perf_counter() - t0, cpu_by_thread()
+                if tr.bound is not None:  # (as Trainer.run: a journaled working copy given back)
+                    tr.bound.after_commit(k)
+            tr.ckpt.drain()
+            wall, (c1, r1) = time.perf_counter() - t0, by_thread()
         n = a.steps
         print(f"# {a.preset} on {a.tier}, checkpoint {a.checkpoint}, window {tr.ckpt.window}"
               f"{f', DRAM cache {budget:,} bytes' if budget else ''}: {1e3 * wall / n:.1f} ms a step "
@@ -119,6 +131,11 @@ def main(argv=None) -> int:
         print("CPU per step, by thread:")
         for name in sorted(set(c0) | set(c1)):
             print(f"  {name:<34}{1e3 * (c1[name] - c0[name]) / n:8.2f} ms")
+        if any(r1[name] > r0[name] for name in r1):
+            print("device reads per step, by thread (read_bytes):")
+            for name in sorted(set(r0) | set(r1)):
+                if r1[name] > r0[name]:
+                    print(f"  {name:<34}{(r1[name] - r0[name]) / n / 1e6:8.2f} MB")
         print("wall time per step in:")
         for (thread, label), s in sorted(timers.seconds.items()):
             print(f"  {label:<40}{thread:<22}{1e3 * s / n:8.2f} ms")
