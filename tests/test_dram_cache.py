@@ -4,6 +4,8 @@ path and with uninterrupted runs (no mocks of the pool)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -263,7 +265,10 @@ def test_cached_fused_path_is_bit_identical_to_the_uncached_over_50_steps_with_e
         assert "trims" not in summary.pool_stats["memory"]
     c = summary.pool_stats["cache"]
     assert c["evictions"] > 1000 and c["misses"] + c["rows_prefetched"] > c["slots"], c
-    assert c["rows_prefetched"] > 0 and 0 < c["hit_rate"] < 1 and c["bytes_written_home"] > 0
+    # (Whether some rows were still missing when their step began is the prefetch thread's
+    # timing: on a loaded machine it once kept ahead of all 50 steps, a hit rate of 1. The
+    # step's own admissions are tested on the arena itself, above.)
+    assert c["rows_prefetched"] > 0 and 0 < c["hit_rate"] <= 1 and c["bytes_written_home"] > 0
     assert summary.pool_stats["memory"]["budget_bytes"] == BUDGET and summary.pool_stats["memory"]["vm_rss"] > 0
     assert t.model.cache_bags is not None and t.fused  # (fbgemm's kernels, not the reference path)
     assert digest == uncached[N]
@@ -299,17 +304,19 @@ def test_write_back_passes_refreshes_and_trims_interleaved_keep_every_row(root, 
     -- except rows cached again and changed since their eviction, whose home copy is older
     than their slot: a trim must still write their newer records (``CacheArena.take_spilled``
     leaves them out; with them in, this run diverged). Here a pass follows nearly every seal,
-    and trims and refreshes alternate (dirtiness counts for every table, at 90 %, with a
-    tenth of the rest cached). Power-sim makes no passes between compactions: only the
-    trims' own."""
-    monkeypatch.setattr(WorkingCopyBound, "CLEAN_AT_DIRTY", 0.9)
-    monkeypatch.setattr(cache_arena, "DIRTY_FROM_HOME_BYTES", 0)
+    and every recovery point gives the working copy back (the arena fills a tenth of the
+    rest), a trim at every third (the group's dirtiness reads as full there), a refresh at the
+    others: a fixed schedule, where the real dirtiness made it depend on the machine's speed.
+    Power-sim makes no passes between compactions: only the trims' own."""
+    points = itertools.count()
+    monkeypatch.setattr(cache_arena.CacheArena, "dirty_fraction",
+                        property(lambda self: 1.0 if next(points) % 3 == 2 else 0.0))
     monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", str(64 / 1024))
     monkeypatch.setenv("DLRM_CXL_APPLY_MB", str(16 / 1024))
     budget = MIN + (TINY.table_bytes - MIN) // 10
     digest, summary, _ = train(root / f"refresh-apply-{tier}", N, tier=tier, dram_cache_bytes=budget, window=WINDOW)
     m, c, p = summary.pool_stats["memory"], summary.pool_stats["cache"], summary.pool_stats
-    assert m["trims"] >= 2 and m["refreshes"] >= 3 and c["dirty_evictions"] > 1000, m
+    assert m["trims"] >= 3 and m["refreshes"] >= 6 and c["dirty_evictions"] > 1000, m
     assert p["applies"] >= (4 if tier == "pmem" else m["trims"]), (p["applies"], m)
     assert digest == uncached[N]
 
