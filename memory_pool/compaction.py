@@ -352,6 +352,8 @@ class Compaction:
             if self.journal is not None:
                 self._applied = self.journal.start_seq
                 self._unsynced |= set(self._tables)
+                # Nor for the rows a refresh wrote: their records are written again too.
+                self._refreshed = []
             raise
         self._unsynced.clear()
 

@@ -140,12 +140,15 @@ def test_a_bulk_load_while_a_background_compaction_runs_keeps_the_loaded_rows(tm
 # --------------------------------------------------------------------------- 4: fdatasync after an EIO
 
 
+@pytest.mark.parametrize("how", ["apply", "refresh"])
 @pytest.mark.parametrize("tier", JOURNALED)
 def test_after_an_eio_in_the_image_sync_the_next_compaction_rewrites_every_row_since_start(
-        tmp_pool_dir, monkeypatch, tier):
+        tmp_pool_dir, monkeypatch, tier, how):
     """The rows an unsynced write-back pass (apply) put in the image's page cache may be gone after
     a failed fdatasync (the kernel marks the pages clean; a retried fdatasync says success). The
-    next compaction must write them again before it drops the journal."""
+    next compaction must write them again before it drops the journal. ``refresh``: the rows
+    were written there by a refresh (a DRAM cache's evicted rows), which older records are
+    otherwise not written over: after the failed sync they are, and the newest lands last."""
     monkeypatch.delenv("DLRM_CXL_RUNS_MB", raising=False)
     pool = MemoryPool.create(tmp_pool_dir, tier=tier)
     image = tmp_pool_dir / "tables" / "t.bin"
@@ -161,10 +164,12 @@ def test_after_an_eio_in_the_image_sync_the_next_compaction_rewrites_every_row_s
             t.write(ids, vals)
             ref[ids] = vals
             pool.persist()
-            if seed == 5:
+            if seed == 5 and how == "apply":
                 pool.journal.rotate()
                 pool.apply(wait=True)
                 assert pool.stats.applies == 1
+            elif seed == 5:
+                assert pool.trim_working_copy(["t"], {"t": a}) and pool.stats.refreshes == 1
         assert torch.equal(_image(tmp_pool_dir, "t")[a], ref[a])   # in the image's page cache
 
         real = os.fdatasync
