@@ -163,7 +163,8 @@ class Journal(JournalReader):
         self.read_only = read_only
         self._lock = threading.RLock()
         self._fd: int | None = None
-        # Written to since its last sync? (_write, a new segment; truncate_tail cuts what's unsynced)
+        # Written to since its last sync? (_write only: a new segment's header is synced with its
+        # first record; alone it vouches for nothing, and a scan skips a segment that lost it)
         self._unsynced = False
         self.bytes_appended = 0       # payload + headers appended by this process
         self._mark_fd: int | None = None   # the committed mark (COMMITTED), opened at its first write
@@ -315,7 +316,6 @@ class Journal(JournalReader):
                 raise_if_full(exc, f"creating journal segment {seg.path}")
             seg.stale_after = self.mapped or self.direct
         self._fd = fd
-        self._unsynced = True  # (its header, and a descriptor new to us)
         self._start_direct(seg)
         with self._lock:
             self._segs.append(seg)

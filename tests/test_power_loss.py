@@ -530,10 +530,9 @@ def test_an_empty_segment_left_by_a_power_loss_stays_gone_after_the_next_one(tmp
 def test_a_commit_record_alone_costs_one_sync_and_every_record_before_an_end_survives(tmp_path, direct):
     """``Journal.flush`` skips an ``fdatasync`` with nothing to make durable (a step's commit
     record alone, inside a recovery window: one sync, not two). What it may never skip: the sync
-    of records written since the last one, before the ``END`` that vouches for them. Both write
-    paths mark the segment unsynced -- records, a new segment's header -- and an emulated power
-    loss after each kind of transaction, across segments and a reopen, keeps exactly the
-    committed ones."""
+    of records written since the last one, before the ``END`` that vouches for them (a new
+    segment's header is synced with its first record). An emulated power loss after each kind
+    of transaction, across segments and a reopen, keeps exactly the committed ones."""
     from memory_pool.journal import Journal, RecordType
 
     fileio.watch(tmp_path)
