@@ -558,3 +558,38 @@ def test_a_commit_record_alone_costs_one_sync_and_every_record_before_an_end_sur
     assert [t.tag for t in back.txns] == list(range(9))
     assert back.tail_damage is None
     assert bytes(back.read(back.txns[-1].records[0])) == b"x" * 300
+
+
+def test_a_tail_segment_cut_by_recovery_stays_gone_after_a_power_loss(tmp_path):
+    """``Journal.truncate_tail`` removes the segments after the newest ``END`` (a crashed
+    transaction's records), and syncs the directory before anything is appended: else a power
+    loss after the next commit brings the removed segment back, named for sequence numbers the
+    segment before it now holds, and the journal reads as damaged (or replays the abandoned
+    records). The next commit here goes into the segment before the removed one (buffered
+    writes append to it), so no later directory sync hides a missing one."""
+    from memory_pool.journal import Journal, RecordType
+
+    commit = _commit_three_records
+    fileio.watch(tmp_path)
+    try:
+        j = Journal(tmp_path, segment_bytes=4096)
+        for tag in range(3):
+            commit(j, tag)
+        j.rotate()                       # a crash leaves records of step 3 in a segment of their own
+        for _ in range(3):
+            j.append(RecordType.UNDO, 3, [b"\xee" * 100])
+        j.flush()
+        j.close()
+        back = Journal(tmp_path, segment_bytes=4096)
+        assert back.tail and len(list(tmp_path.glob("seg-*.log"))) == 2
+        back.truncate_tail()             # recovery: the abandoned step's segment removed
+        assert len(list(tmp_path.glob("seg-*.log"))) == 1
+        commit(back, 3)                  # appended to the first segment, synced
+        back.close()
+    finally:
+        fileio.unwatch(tmp_path)
+    fileio.power_on(tmp_path)
+    after = Journal(tmp_path)
+    assert len(list(tmp_path.glob("seg-*.log"))) == 1, sorted(p.name for p in tmp_path.glob("seg-*.log"))
+    assert [t.tag for t in after.txns] == [0, 1, 2, 3] and not after.tail and after.tail_damage is None
+    assert bytes(after.read(after.txns[-1].records[0])) == bytes(100)
