@@ -236,6 +236,8 @@ class Compaction:
             self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
                                           overlay=overlay, dense=dense, resets=self.resets,
                                           superseded=self._refreshed if overlay is None else None)
+            # (absorb_rows' views of the segments are gone: their pages can go too)
+            self.journal.forget_read(pending)
 
     @property
     def overlay_bound(self) -> int:

@@ -272,6 +272,27 @@ class JournalReader:
                 except BufferError:
                     pass  # a caller still holds a view; the mapping goes with it
 
+    def forget_read(self, refs: Sequence[RecordRef]) -> None:
+        """Give back the page cache of the segments ``refs`` lie in, once a write-back has read
+        them (an apply pass or a compaction reads whole sealed segments, and nothing reads them
+        again: they are dropped or reused at the next compaction). Call it when no view of them
+        is left (the pages a mapping still maps stay). A journal written with direct writes has
+        its pages cached only because a reader read them (and the read-around of the mapping's
+        faults), and they stayed against the pool's DRAM budget: 1.1 GB of `kaggle`'s journal
+        after 270 steps behind a 2.2 GB budget (README, "Tables larger than DRAM"). A mapped
+        journal (in RAM) keeps its pages: they are the journal."""
+        if self.mapped:
+            return
+        for path in {r.segment for r in refs}:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # (gone: nothing cached)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
     @property
     def last(self) -> TxnInfo | None:
         return self.txns[-1] if self.txns else None
