@@ -185,6 +185,26 @@ def test_a_budget_too_small_for_one_batch_is_refused_before_a_pool_is_made(tmp_p
     CacheArenaConfig.for_budget(MIN, SPEC, batch_rows=TINY.batch_size)  # (the bound is exact)
 
 
+def test_a_budget_caches_small_tables_whole_and_splits_the_rest_equally_among_the_big_ones():
+    """The split is max-min fair: every table gets the same number of slots beyond one batch,
+    up to all its rows. A table small enough is cached whole (the proportional split left a
+    mid-sized table a share of its rows, which it then evicted and read back every step), the
+    big ones share what is left equally, and no slot more fits the budget."""
+    from memory_pool.cache_config import META_BYTES_PER_SLOT
+
+    spec = [("tiny", 10, (8, 1)), ("mid", 3_000, (8, 1)), ("big", 1_000_000, (8, 1)), ("huge", 5_000_000, (8, 1))]
+    slot = 4 * 9 + META_BYTES_PER_SLOT
+    budget = CacheArenaConfig.min_budget(spec, 100) + (3_000 - 100 + 2 * 50_000) * slot + slot - 1
+    c = CacheArenaConfig.for_budget(budget, spec, batch_rows=100)
+    assert [(g.name, g.slots) for g in c.groups] == [("tiny", 10), ("mid", 3_000), ("big", 50_100), ("huge", 50_100)]
+    assert c.nbytes <= budget < c.nbytes + slot                   # one slot more does not fit
+    # A budget past every table's rows caches every row; one batch's worth caches one batch.
+    full = CacheArenaConfig.for_budget(10 ** 10, spec, batch_rows=100)
+    assert [g.slots for g in full.groups] == [10, 3_000, 1_000_000, 5_000_000]
+    least = CacheArenaConfig.for_budget(CacheArenaConfig.min_budget(spec, 100), spec, batch_rows=100)
+    assert [g.slots for g in least.groups] == [10, 100, 100, 100]
+
+
 # --------------------------------------------------------------------------- a journaled working copy, bounded
 
 
