@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+import torch
+
 from memory_pool.residency import page_cache_bytes, pool_memory, process_memory
 
 __all__ = ["DEFAULT_PREFETCH_BATCHES", "cache_report", "validate_prefetch_batches", "check_cache_budget",
@@ -155,8 +157,9 @@ class WorkingCopyBound:
         """Called after step ``step``'s commit: gives the working copy back at a recovery point
         when due. True if it did.
 
-        Two ways (both with the checkpointer drained, and the cache's lock held: the prefetch
-        thread may not evict a dirty row into the working copy meanwhile):
+        Two ways (both with the cache's lock held: the prefetch thread may not evict a dirty row
+        into the working copy meanwhile; and with the checkpointer drained, except for a
+        refresh with nothing to write):
 
         * a **trim** (``MemoryPool.trim_working_copy``): every committed journal row written into
           the images, which are mapped afresh; every cache slot is clean then. Where dirty slots
@@ -176,23 +179,33 @@ class WorkingCopyBound:
         if grown <= self.allowance and not dirty:
             return False
         t0 = time.perf_counter()
-        self.ckpt.drain()  # (the window's transaction durable, no compaction running)
         full = dirty or self.arena is None or not self._trimmed or self.pool.rows_pending
-        with (self.arena.paused() if self.arena is not None else contextlib.nullcontext()):
-            if full:
-                done = self.pool.trim_working_copy(self.names)
-                if done and self.arena is not None:
-                    # Every committed row is in the images now, and no step is running: every
-                    # slot equals its home (a dirty slot's value is its row's last committed
-                    # after-image); what it wrote into the working copy is gone with it.
-                    self.arena.take_spilled()
-                    self.arena.mark_clean()
-                self._trimmed = self._trimmed or done
-            else:
-                M = self.arena.cfg.members
-                spilled = self.arena.take_spilled()
-                done = self.pool.trim_working_copy(
-                    self.names, {self.names[g * M + m]: ids for g, ids in enumerate(spilled) for m in range(M)})
+        done = taken = None
+        if not full:
+            # Nothing written into the working copy since it was last given back (no dirty row
+            # evicted: the usual case while the cache has room): a refresh writes nothing, needs
+            # no drained checkpointer and waits for no compaction (Compaction.refresh), so the
+            # step after this one waits for nothing.
+            with self.arena.paused():
+                taken = self.arena.take_spilled()
+                if not any(ids.numel() for ids in taken):
+                    done = self._refresh(taken)
+        if done is None:
+            self.ckpt.drain()  # (the window's transaction durable, no compaction running)
+            with (self.arena.paused() if self.arena is not None else contextlib.nullcontext()):
+                if full:
+                    done = self.pool.trim_working_copy(self.names)
+                    if done and self.arena is not None:
+                        # Every committed row is in the images now, and no step is running: every
+                        # slot equals its home (a dirty slot's value is its row's last committed
+                        # after-image); what it wrote into the working copy is gone with it.
+                        self.arena.take_spilled()
+                        self.arena.mark_clean()
+                    self._trimmed = self._trimmed or done
+                else:
+                    # (rows taken before the drain, and those the prefetch thread evicted during it:
+                    # no step ran meanwhile, so every one of them holds a committed value now)
+                    done = self._refresh([torch.unique(torch.cat([a, b])) for a, b in zip(taken, self.arena.take_spilled())])
         self.refused = not done
         self.floor = process_memory().get("rss_anon", 0)
         # (the images' clean pages dropped: the estimate starts again from nothing; dirty pages
@@ -200,6 +213,13 @@ class WorkingCopyBound:
         self._cached, self._read_at_measure = 0, self._rows_read()
         self.seconds += time.perf_counter() - t0
         return done
+
+    def _refresh(self, spilled: list) -> bool:
+        """``MemoryPool.trim_working_copy(names, written)`` with ``spilled[g]`` written for every
+        member of group ``g`` (the arena paused)."""
+        M = self.arena.cfg.members
+        return self.pool.trim_working_copy(
+            self.names, {self.names[g * M + m]: ids for g, ids in enumerate(spilled) for m in range(M)})
 
     def as_dict(self) -> dict:
         """``trims`` and ``refreshes`` (the pool's counts), ``trim_seconds`` (both), ``trim_refused``,

@@ -39,6 +39,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_RANDOM = 1
+_MADV_DONTNEED = 4
 
 
 def page_round(n: int) -> int:
@@ -84,6 +85,13 @@ class Arena:
         of the file, not a readahead window around it (rows read a few at a time from a home far
         larger than the DRAM budget would otherwise bring their neighbours into the page cache)."""
         _libc.madvise(self.base + offset, page_round(max(nbytes, 1)), _MADV_RANDOM)
+
+    def drop_pages(self, offset: int, nbytes: int) -> None:
+        """``MADV_DONTNEED`` over ``[offset, offset + nbytes)``: its pages are unmapped where they
+        are; a private file mapping's copy-on-write pages are discarded, and a later access reads
+        the file (its page cache) again. The mapping itself stays."""
+        if _libc.madvise(self.base + offset, page_round(max(nbytes, 1)), _MADV_DONTNEED) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
 
     def release(self, offset: int, nbytes: int) -> None:
         """Give ``[offset, offset + nbytes)`` back to the reservation: a file mapped there is

@@ -300,7 +300,20 @@ class Compaction:
         page cache would outlive a crash of the trainer where the journal's replay does not
         overwrite it) -- and only after a :meth:`trim` since the pool was opened: an open's replay
         writes the journal's rows into the working copy, and nothing lists them. False, nothing
-        done, where :meth:`trim` would refuse."""
+        done, where :meth:`trim` would refuse.
+
+        With nothing written (every ``written[name]`` empty) the checkpointer need not be
+        drained: no row goes into an image, every page of the working copy is the image's own,
+        so its pages are dropped where they are (``FileRegion.trim(remap=False)``), and neither
+        the mapping a write-back stores through nor a running compaction is touched or waited
+        for (``WorkingCopyBound.after_commit``: the trainer's wait at such recovery points)."""
+        if not self._journaled or self.overlay is not None:
+            return False
+        if not any(ids.numel() for ids in written.values()):
+            for name in written:
+                self._tables[name].region.trim(remap=False)
+            self.stats.refreshes += 1
+            return True
         self.wait()
         if not self._journaled or self.overlay is not None:
             return False

@@ -219,9 +219,7 @@ class Region:
 
     tier = "dram"
     journaled = False   # persisted through the pool's journal (emulated pmem, power-sim)
-    # A home whose image stays in the page cache across trims (FileRegion.trim): the optimizer
-    # state of tables behind a DRAM cache (dlrm_cxl.fused.bind_cached says why).
-    keep_cached = False
+    keep_cached = False  # its image stays cached through trims (dlrm_cxl.fused.bind_cached: why)
 
     def __init__(self, arena: Arena, rows: int, dim: int, dtype: str):
         self.rows, self.dim, self.dtype = rows, dim, dtype
@@ -243,9 +241,8 @@ class Region:
                 self._dirty[ids] = True
 
     def take_dirty(self) -> torch.Tensor:
-        """The dirty rows (sorted), cleared. Only for rows that need no persisting any more (a
-        bulk load replaced them durably): a persist reads them with :meth:`dirty_rows` and
-        clears them with :meth:`clear_dirty` once its transaction is durable."""
+        """The dirty rows (sorted), cleared. Only for rows that need no persisting any more (a bulk
+        load replaced them durably); a persist uses :meth:`dirty_rows`, then :meth:`clear_dirty`."""
         if not self._dirty.numel():
             return torch.empty(0, dtype=torch.int64)
         with self._lock:
@@ -274,26 +271,23 @@ class Region:
         self.mark_dirty(ids)
 
     def flush_rows(self, ids: torch.Tensor) -> int:
-        """Flush rows to a directly persistent medium (real pmem); others: nothing to do."""
+        """Flush rows to a directly persistent medium (real pmem); others: none."""
         return 0
 
     def read_randomly(self) -> None:
-        """No readahead on the rows' faults (a file's private working copy: ``FileRegion``);
-        others: nothing to do."""
+        """No readahead on the rows' faults (``FileRegion``'s private working copy); others: none."""
 
-    def trim(self) -> None:
-        """Give back the process's pages of a journaled working copy (``FileRegion``); others:
-        nothing to do (on shm and real pmem the mapping is the medium itself)."""
+    def trim(self, *, remap: bool = True) -> None:
+        """Give back the process's pages of a journaled working copy (``FileRegion``); others: none
+        (on shm and real pmem the mapping is the medium itself)."""
 
     def will_need(self, ids: torch.Tensor) -> int:
-        """Start reading the pages of rows ``ids`` from the medium, without waiting
-        (``FileRegion``: a file's private working copy); others: nothing to do. Returns the
-        read requests made."""
+        """Start reading the pages of rows ``ids`` from the medium, without waiting (``FileRegion``'s
+        private working copy); others: nothing to do. Returns the read requests made."""
         return 0
 
     def read_ahead(self) -> None:
-        """Start reading the whole image into the page cache, without waiting (``FileRegion``
-        with a private working copy); others: nothing to do."""
+        """Start reading the whole image into the page cache, without waiting (``FileRegion``)."""
 
     def close(self) -> None:
         self.tensor = torch.empty(0)
@@ -485,18 +479,24 @@ class FileRegion(Region):
         if self.nbytes and self.offset is not None:
             self.arena.advise_random(self.offset, self.nbytes)
 
-    def trim(self) -> None:
+    def trim(self, *, remap: bool = True) -> None:
         """Give back this process's memory for the table (journaled tiers): the image mapped
         afresh over the working copy (its copy-on-write pages go, and ``MADV_RANDOM``: a later
         fault reads its own page, not a readahead window), then the image's clean page cache
         dropped. The caller guarantees that the image's page cache holds every row's current
-        value (``MemoryPool.trim_working_copy``): nothing reads differently afterwards."""
-        if not self.nbytes or self.shared or self.read_only:
-            return
-        self.unmap_home()  # (a page still mapped there is not dropped from the page cache)
-        self.remap()
-        self.read_randomly()
-        if self.keep_cached:  # (a home kept in memory on purpose: its pages stay, counted in the budget)
+        value (``MemoryPool.trim_working_copy``): nothing reads differently afterwards.
+        ``remap=False``: no page of the working copy was written since it was mapped (a refresh
+        with nothing written), so its pages are dropped where they are (``MADV_DONTNEED``), and
+        the mapping a write-back stores through is left alone (no compaction waited for)."""
+        if not self.nbytes or self.shared or self.read_only or (self.keep_cached and not remap):
+            return  # (kept cached: a home kept in memory on purpose, counted in the budget)
+        if remap:
+            self.unmap_home()  # (a page still mapped there is not dropped from the page cache)
+            self.remap()
+            self.read_randomly()
+        else:
+            self.arena.drop_pages(self.offset, self.nbytes)
+        if self.keep_cached:
             return
         try:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)

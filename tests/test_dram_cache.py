@@ -252,6 +252,40 @@ def test_trimming_a_journaled_working_copy_gives_its_pages_back_and_keeps_every_
         assert torch.equal(again.table("t").view(), expected)
 
 
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_a_refresh_with_nothing_written_gives_the_pages_back_without_waiting_for_a_compaction(tmp_path, tier,
+                                                                                             monkeypatch):
+    """A recovery point where the working copy grew only by the pages misses read (no dirty row
+    evicted into it) refreshes it with nothing to write: its pages are dropped where they are
+    (the file pages it mapped, and the image's clean page cache), every row reads the same, and
+    nothing waits for the compactor -- the trainer neither drains its checkpointer for it
+    (``WorkingCopyBound.after_commit``) nor stops behind a write-back pass."""
+    from memory_pool.compaction import Compaction
+    from memory_pool.residency import page_cache_bytes
+
+    path = tmp_path / "p"
+    pool = MemoryPool.create(path, tier=tier)
+    t = pool.create_table("t", 1 << 15, 64, init="uniform", seed=1)         # 8 MiB, 2,048 pages
+    pool.bound_working_copy(["t"])
+    t.write(torch.arange(0, 1 << 15, 64), torch.randn(512, 64))
+    t.persist()
+    assert pool.trim_working_copy(["t"]) and pool.stats.trims == 1          # (every committed row home)
+    expected = t.view().clone()                                              # (reads every page)
+    assert page_cache_bytes([t.region.path]) >= 4 << 20
+
+    def no_wait(self, *a, **k):
+        raise AssertionError("a refresh with nothing to write waited for the compactor")
+
+    monkeypatch.setattr(Compaction, "wait", no_wait)
+    assert pool.trim_working_copy(["t"], {"t": torch.empty(0, dtype=torch.int64)}) and pool.stats.refreshes == 1
+    monkeypatch.undo()
+    assert page_cache_bytes([t.region.path]) < 1 << 20                       # the pages given back
+    assert torch.equal(t.view(), expected)
+    pool.close()
+    with MemoryPool.open(path) as again:
+        assert torch.equal(again.table("t").view(), expected)
+
+
 def test_trimming_is_refused_where_it_cannot_give_anything_back(tmp_path, monkeypatch):
     """On a direct tier (shm: the working copy is the device) and on a journaled pool with a row
     overlay (a row whose newest value is in a run only would read back old), nothing is done."""
