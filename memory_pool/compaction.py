@@ -88,6 +88,7 @@ class Compaction:
         # Set by MemoryPool.bound_working_copy: no row overlay, so that trim() can map the
         # images afresh (a row whose newest value is in a run only would read back old).
         self.no_overlay = False
+        self._bounded: set[str] = set()    # tables behind a DRAM cache (bound): see _write_back
         if self.since > journal.start_seq:
             # Trusting the mark means trusting rows that an earlier process wrote into the
             # images' page cache and never synced: the next compaction, which drops their
@@ -233,11 +234,22 @@ class Compaction:
         # need the tombstone that only the skipped record gives it.)
         self._refreshed = [e for e in self._refreshed if e[0] > self.journal.start_seq]
         if pending:
-            self._unsynced |= absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
-                                          overlay=overlay, dense=dense, resets=self.resets,
-                                          superseded=self._refreshed if overlay is None else None)
+            written = absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
+                                  overlay=overlay, dense=dense, resets=self.resets,
+                                  superseded=self._refreshed if overlay is None else None)
+            self._unsynced |= written
             # (absorb_rows' views of the segments are gone: their pages can go too)
             self.journal.forget_read(pending)
+            # Tables behind a DRAM cache: the image pages just written are counted in its budget,
+            # but dirty and mapped they cannot be dropped, and they piled up pass after pass
+            # (2.3 GB of image pages behind `kaggle`'s 2.2 GB budget). Their write-out starts now,
+            # on this thread, and the mapping goes, so that the next recovery point's refresh
+            # (FileRegion.trim) drops them clean, without starting their write-out itself and
+            # waiting on the device's queue; the compaction's sync drops them too (_sync_images).
+            for name in written & self._bounded:
+                r = self._tables[name].region
+                r.unmap_home()
+                r.start_writeback(0, r.rows)
 
     @property
     def overlay_bound(self) -> int:
@@ -256,6 +268,7 @@ class Compaction:
         can work (a compaction then writes every row home, page-granular)."""
         for r in regions:
             r.read_randomly()
+        self._bounded |= {n for n, t in self._tables.items() if any(t.region is r for r in regions)}
         self.no_overlay = True
 
     def trim(self, regions) -> bool:
@@ -350,7 +363,8 @@ class Compaction:
     def _sync_images(self) -> None:
         try:
             for name in sorted(self._unsynced):
-                self._tables[name].region.sync()
+                r = self._tables[name].region
+                r.sync(drop_cache=name in self._bounded and not r.keep_cached)  # (see _write_back)
         except BaseException:
             # A failed fdatasync (EIO) may leave pages clean that never reached the disk: the
             # page cache no longer vouches for anything.
