@@ -129,8 +129,38 @@ def random_read_rate(root: Path, threads: int, *, size: int = 4 << 30, reads: in
         os.close(fd)
 
 
+class PeakMemory:
+    """The most DRAM a pool's trainer uses while it trains (``--peak-every``): ``RssAnon`` plus the
+    pool files' page cache (``mincore``, ~0.1 s for `kaggle`'s 10 GB of files), sampled every
+    ``every`` seconds on a thread of its own. The end-of-run figure misses what a write-back pass
+    or a compaction holds for a while (README, "Tables larger than DRAM")."""
+
+    def __init__(self, pool, every: float):
+        import threading
+
+        self.pool, self.every, self.peak = pool, every, {"dram_bytes": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            m = pool_memory(self.pool)
+            if (m["dram_bytes"] or 0) > self.peak["dram_bytes"]:
+                self.peak = m
+
+    def __enter__(self):
+        if self.every > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, warmup: int, steps: int,
-                prefetch: int, threads: int | None) -> dict:
+                prefetch: int, threads: int | None, peak_every: float = 0.0) -> dict:
     pool = root / name.replace("+", "-")
     o = TrainOptions(pool=str(pool), steps=warmup + steps, tier=tier, dram_cache_bytes=budget, threads=threads,
                      progress=False, prefetch_batches=prefetch, fresh=True)
@@ -149,7 +179,8 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
             except OSError:
                 pass
         times = []
-        with Prefetcher(t.plan_ahead(t.source.iter_batches(None)), depth=prefetch) as batches:
+        with PeakMemory(t.pool, peak_every) as peak, \
+                Prefetcher(t.plan_ahead(t.source.iter_batches(None)), depth=prefetch) as batches:
             for k in range(1, warmup + steps + 1):
                 if k == warmup + 1:
                     t.ckpt.drain()
@@ -180,6 +211,9 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                             "home_read_bytes_per_step": d["bytes_read_home"] / steps,
                             "arena_bytes": arena.nbytes}
         out["memory"] = pool_memory(t.pool, budget_bytes=budget, cache_bytes=arena.nbytes if arena else 0)
+        if peak_every > 0:
+            out["memory"]["peak_dram_bytes"] = peak.peak["dram_bytes"]
+            out["memory"]["peak_pool_page_cache_bytes"] = peak.peak.get("pool_page_cache_bytes", 0)
         if t.bound is not None:
             out["memory"].update(t.bound.as_dict())
         return out
@@ -204,6 +238,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device-floor", action="store_true",
                     help="also measure the device's random 4 KiB reads/s under --root (1 and 16 at a time; a 4 GiB "
                          "file) and print the device time a file home's misses need per step at best")
+    ap.add_argument("--peak-every", type=float, default=0.0,
+                    help="also sample the DRAM each variant uses (RssAnon + the pool files' page cache) every this many "
+                         "seconds while it trains, and print the peak (0: off; sampling costs some CPU)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (a child: one variant, JSON on stdout)
     a = ap.parse_args(argv)
@@ -224,7 +261,7 @@ def main(argv=None) -> int:
         v, k = a.one.rsplit("@", 1)
         tier, b = spec[v]
         r = run_variant(v, cfg, tier=tier, budget=b, root=root, warmup=a.warmup, steps=a.steps,
-                        prefetch=int(k), threads=a.threads)
+                        prefetch=int(k), threads=a.threads, peak_every=a.peak_every)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     # Each variant in a process of its own, one after the other: the resident memory of one is
@@ -236,6 +273,7 @@ def main(argv=None) -> int:
             cmd = [sys.executable, __file__, "--one", f"{v}@{k}", "--preset", a.preset, "--fraction", str(a.fraction),
                    "--warmup", str(a.warmup), "--steps", str(a.steps), "--root", str(root)]
             cmd += ["--threads", str(a.threads)] if a.threads else []
+            cmd += ["--peak-every", str(a.peak_every)] if a.peak_every > 0 else []
             cmd += ["--larger-than-ram"] if a.larger_than_ram else []
             p = subprocess.run(cmd, capture_output=True, text=True)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -250,7 +288,7 @@ def main(argv=None) -> int:
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
           f"{'dev MB/st':>9} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
-          f"{'trim/refr':>9} {'copy MB peak':>12}")
+          f"{'trim/refr':>9} {'copy MB peak':>12}" + (f" {'DRAM MB peak':>12}" if a.peak_every > 0 else ""))
     for r in results:
         c, m = r.get("cache"), r["memory"]
         dev = r["device_read_bytes_per_step"]
@@ -266,11 +304,15 @@ def main(argv=None) -> int:
                  f"{m['trims']}/{m['refreshes']}" if "trims" in m else "-",
                  f"{m['peak_working_copy_bytes'] / 1e6:.1f}" if "peak_working_copy_bytes" in m else "-"]
         widths = [12, 10, 8, 8, 8, 10, 9, 8, 9, 8, 9, 10, 9, 12]
+        if a.peak_every > 0:
+            cells.append(f"{m.get('peak_dram_bytes', 0) / 1e6:.1f}")
+            widths.append(12)
         print(" ".join(f"{x:<{w}}" if i == 0 else f"{x:>{w}}" for i, (x, w) in enumerate(zip(cells, widths))))
     print("\nDRAM = anonymous memory + the pool files' page cache (the whole process: torch, the MLPs, the "
           "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget; "
           "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row into the images) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
-          "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)")
+          "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)" +
+          ("; DRAM MB peak = the most DRAM sampled while the variant trained (--peak-every)" if a.peak_every > 0 else ""))
     floor = None
     if a.device_floor:
         rates = {k: random_read_rate(root, k) for k in (1, 16)}
