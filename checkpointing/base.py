@@ -62,6 +62,7 @@ class CheckpointStats:
     last_commit_step: int = 0
     max_commit_lag: int = 0            # most steps between a step and a durable commit at or after it
     commit_wait_seconds: float = 0.0   # part of critical: waiting for the previous step to be durable
+    commit_waits: int = 0              # of those waits, the ones on a job not finished yet (0 inline)
     writer_cpu_seconds: float = 0.0    # CPU of the journal writer's thread: off the critical path, but
     #                                    taken from the step's cores when none is spare
 

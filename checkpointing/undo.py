@@ -320,6 +320,7 @@ class UndoLogCheckpointer(Checkpointer):
         # after-images it is writing are never overwritten.
         if self._last_job is not None:
             t0 = time.perf_counter()
+            self.stats.commit_waits += not self._last_job.done()
             self._last_job.result()
             self.stats.commit_wait_seconds += time.perf_counter() - t0
         rows, dense = None, None
@@ -439,6 +440,7 @@ class UndoLogCheckpointer(Checkpointer):
         if job is None or self._read.is_set():
             return
         t0 = time.perf_counter()
+        self.stats.commit_waits += 1
         while not self._read.wait(0.05) and not job.done():
             pass  # (the event is set in a finally; this only guards a job that never ran)
         self.stats.commit_wait_seconds += time.perf_counter() - t0

@@ -374,7 +374,9 @@ def test_an_inline_journal_writer_trains_the_same_state_as_a_threaded_one(tmp_pa
     assert d_inline == d_thread
     # (that a crash then loses only the step in flight: the shm-inline column of
     # test_recovery.py's crash matrix)
-    assert inline.checkpoint["commit_wait_seconds"] < 1e-3 and inline.checkpoint["checkpoints"] == 7
+    # (inline, every job is done when handed over: no commit ever waits on one. Counted, not
+    # timed: a loaded machine stretched the two clock reads around a finished job to 8 ms)
+    assert inline.checkpoint["commit_waits"] == 0 and inline.checkpoint["checkpoints"] == 7
     with MemoryPool.open(tmp_path / "inline", read_only=True) as pool:
         assert checkpoint_status(pool)["committed_step"] == 6
     for p in ("thread", "inline"):
