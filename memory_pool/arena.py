@@ -40,6 +40,7 @@ _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_RANDOM = 1
 _MADV_DONTNEED = 4
+_MADV_PAGEOUT = 21
 
 
 def page_round(n: int) -> int:
@@ -86,12 +87,17 @@ class Arena:
         larger than the DRAM budget would otherwise bring their neighbours into the page cache)."""
         _libc.madvise(self.base + offset, page_round(max(nbytes, 1)), _MADV_RANDOM)
 
-    def drop_pages(self, offset: int, nbytes: int) -> None:
+    def drop_pages(self, offset: int, nbytes: int) -> bool:
         """``MADV_DONTNEED`` over ``[offset, offset + nbytes)``: its pages are unmapped where they
         are; a private file mapping's copy-on-write pages are discarded, and a later access reads
-        the file (its page cache) again. The mapping itself stays."""
-        if _libc.madvise(self.base + offset, page_round(max(nbytes, 1)), _MADV_DONTNEED) != 0:
+        the file (its page cache) again. The mapping itself stays. First ``MADV_PAGEOUT`` (Linux
+        5.4): the clean file pages mapped only here are reclaimed, dropped from the page cache
+        without writing anything back. Returns whether that was done."""
+        addr, n = self.base + offset, page_round(max(nbytes, 1))
+        reclaimed = _libc.madvise(addr, n, _MADV_PAGEOUT) == 0
+        if _libc.madvise(addr, n, _MADV_DONTNEED) != 0:
             raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+        return reclaimed
 
     def release(self, offset: int, nbytes: int) -> None:
         """Give ``[offset, offset + nbytes)`` back to the reservation: a file mapped there is

@@ -26,6 +26,7 @@ unsynced, and moves the applied mark after them.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 from typing import Callable
 
+from . import fileio
 from .journal import Journal, RecordType
 from .overlay import DEFAULT_BOUND, DENSE_FRACTION, RUNS_DIR, Overlay
 from .persistence import AppliedMark, Compactor, absorb_rows, table_resets
@@ -242,14 +244,17 @@ class Compaction:
             self.journal.forget_read(pending)
             # Tables behind a DRAM cache: the image pages just written are counted in its budget,
             # but dirty and mapped they cannot be dropped, and they piled up pass after pass
-            # (2.3 GB of image pages behind `kaggle`'s 2.2 GB budget). Their write-out starts now,
-            # on this thread, and the mapping goes, so that the next recovery point's refresh
-            # (FileRegion.trim) drops them clean, without starting their write-out itself and
-            # waiting on the device's queue; the compaction's sync drops them too (_sync_images).
+            # (2.3 GB of image pages behind `kaggle`'s 2.2 GB budget). The mapping goes, and they
+            # are written out and dropped here, on this thread, not by a refresh on the trainer's
+            # (FileRegion.trim: it only reclaims clean pages). Not durable yet: the compaction's
+            # fdatasync is what counts (_sync_images), and it drops the pages too.
             for name in written & self._bounded:
                 r = self._tables[name].region
                 r.unmap_home()
-                r.start_writeback(0, r.rows)
+                fileio.start_writeback(r.fd, 0, 0, wait=True)
+                if not r.keep_cached:  # (a home kept in memory on purpose: dlrm_cxl.fused.bind_cached)
+                    with contextlib.suppress(OSError, AttributeError):
+                        os.posix_fadvise(r.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     @property
     def overlay_bound(self) -> int:

@@ -320,13 +320,14 @@ def _log_first(sim: _Sim | None) -> None:
 _libc_sync_file_range = None
 
 
-def start_writeback(fd: int, off: int, length: int) -> None:
+def start_writeback(fd: int, off: int, length: int, *, wait: bool = False) -> None:
     """Ask the kernel to start writing a range's dirty pages to the device now
     (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; ``posix_fadvise(DONTNEED)`` where libc lacks
-    it, which starts the same write-back). A hint for throughput: it waits for nothing, makes
-    nothing durable and tells the emulated power loss nothing -- only a later ``fdatasync``
-    does. Used by a bulk load, so that the device writes the first pages while the next ones
-    are produced, and the load's final sync waits for the tail only."""
+    it, which starts the same write-back). A hint for throughput: it makes nothing durable and
+    tells the emulated power loss nothing -- only a later ``fdatasync`` does. Used by a bulk
+    load, so that the device writes the first pages while the next ones are produced, and the
+    load's final sync waits for the tail only. ``wait``: also wait until those pages are written
+    (``WAIT_BEFORE | WRITE | WAIT_AFTER``: clean, so that ``DONTNEED`` drops them at once)."""
     global _libc_sync_file_range
     if _libc_sync_file_range is None:
         import ctypes
@@ -337,7 +338,7 @@ def start_writeback(fd: int, off: int, length: int) -> None:
             _libc_sync_file_range = f
         except (OSError, AttributeError):
             _libc_sync_file_range = False
-    if _libc_sync_file_range and _libc_sync_file_range(fd, off, length, 2) == 0:  # SYNC_FILE_RANGE_WRITE
+    if _libc_sync_file_range and _libc_sync_file_range(fd, off, length, 7 if wait else 2) == 0:  # (WRITE: 2)
         return
     try:
         os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)

@@ -490,12 +490,13 @@ class FileRegion(Region):
         the mapping a write-back stores through is left alone (no compaction waited for)."""
         if not self.nbytes or self.shared or self.read_only or (self.keep_cached and not remap):
             return  # (kept cached: a home kept in memory on purpose, counted in the budget)
+        if not remap and self.arena.drop_pages(self.offset, self.nbytes):
+            return  # (clean pages reclaimed as they lay: the fadvise below starts the write-out of
+            #          every dirty page of the file and waited for the device's queue, seconds)
         if remap:
             self.unmap_home()  # (a page still mapped there is not dropped from the page cache)
             self.remap()
             self.read_randomly()
-        else:
-            self.arena.drop_pages(self.offset, self.nbytes)
         if self.keep_cached:
             return
         try:
