@@ -26,7 +26,6 @@ unsynced, and moves the applied mark after them.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -35,7 +34,6 @@ from pathlib import Path
 import torch
 from typing import Callable
 
-from . import fileio
 from .journal import Journal, RecordType
 from .overlay import DEFAULT_BOUND, DENSE_FRACTION, RUNS_DIR, Overlay
 from .persistence import AppliedMark, Compactor, absorb_rows, table_resets
@@ -251,10 +249,8 @@ class Compaction:
             for name in written & self._bounded:
                 r = self._tables[name].region
                 r.unmap_home()
-                fileio.start_writeback(r.fd, 0, 0, wait=True)
                 if not r.keep_cached:  # (a home kept in memory on purpose: dlrm_cxl.fused.bind_cached)
-                    with contextlib.suppress(OSError, AttributeError):
-                        os.posix_fadvise(r.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    r.drop_cache(write_out=True)
 
     @property
     def overlay_bound(self) -> int:

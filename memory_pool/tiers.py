@@ -440,18 +440,16 @@ class FileRegion(Region):
         self.pages_prefetched += prefetch_if_cold(self.fd, home.data_ptr(), self.row_bytes, parts)
 
     def start_writeback(self, first_row: int, end_row: int) -> None:
-        """Start the device on rows ``[first_row, end_row)`` written to the image (a bulk load):
-        a hint, nothing is durable before :meth:`sync` (``fileio.start_writeback``)."""
+        """Start the device on rows ``[first_row, end_row)`` written to the image (a bulk load)."""
         fileio.start_writeback(self.fd, first_row * self.row_bytes, (end_row - first_row) * self.row_bytes)
 
     def sync(self, *, drop_cache: bool = False) -> None:
         """fdatasync the image. ``drop_cache`` (after a bulk, sequential write: creation, a
         load): also drop its clean page cache. Why: a file written sequentially is cached in
         large folios (up to MBs on recent kernels), and a later 256-byte write-back into one
-        dirties -- and writes -- the whole folio: measured here, 2,000 scattered rows of a 102 MB
-        image wrote 102 MB. Cached again by the working copy's faults and the compactor's small
-        writes, the pages come back as 4 KiB folios: the write-back stays page-granular (7.9 MB
-        for those rows), and the pages stay cached, so replay after a crash reads no disk."""
+        dirties -- and writes -- the whole folio (2,000 scattered rows of a 102 MB image wrote
+        102 MB). Faulted in again by the working copy and the compactor's small writes, they come
+        back as 4 KiB folios: the write-back stays page-granular (7.9 MB for those rows)."""
         # Unmapped first: fdatasync write-protects every dirty page it writes, walking each
         # page's mappings; with the writable mapping still there that walk cost 3.8 s of CPU
         # for a `kaggle` compaction (1.8 GB of dirty pages), against a fraction without it.
@@ -461,10 +459,17 @@ class FileRegion(Region):
         except OSError as exc:
             raise_if_full(exc, f"syncing {self.path}")
         if drop_cache:
-            try:
-                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except (OSError, AttributeError):
-                pass
+            self.drop_cache()
+
+    def drop_cache(self, *, write_out: bool = False) -> None:
+        """Drop the image's clean page cache; ``write_out``: its dirty pages written out first,
+        waited for. Hints, as :meth:`start_writeback`: nothing is durable before :meth:`sync`."""
+        if write_out:
+            fileio.start_writeback(self.fd, 0, 0, wait=True)
+        try:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            pass
 
     def remap(self) -> None:
         """Map the file afresh at the region's place in the arena (after a bulk load wrote the
@@ -473,8 +478,7 @@ class FileRegion(Region):
         self.arena.map_file(self.offset, self.fd, self.nbytes, shared=self.shared, writable=not self.read_only)
 
     def read_randomly(self) -> None:
-        """No readahead on the working copy's faults (``Arena.advise_random``): its rows are
-        read a few at a time, the misses of a DRAM cache in front of it."""
+        """No readahead on the working copy's faults (the misses of a DRAM cache in front)."""
         self._random = True
         if self.nbytes and self.offset is not None:
             self.arena.advise_random(self.offset, self.nbytes)
@@ -497,12 +501,8 @@ class FileRegion(Region):
             self.unmap_home()  # (a page still mapped there is not dropped from the page cache)
             self.remap()
             self.read_randomly()
-        if self.keep_cached:
-            return
-        try:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except (OSError, AttributeError):
-            pass
+        if not self.keep_cached:
+            self.drop_cache()
 
     def read_ahead(self) -> None:
         """``POSIX_FADV_WILLNEED`` on the whole image: the kernel queues sequential reads and
