@@ -372,7 +372,12 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
 
     members = [[t] + ([s] if s is not None else []) for t, s in zip(tables, states)]
     spec = [(t.name, t.num_embeddings, tuple(m.embedding_dim for m in ms)) for t, ms in zip(tables, members)]
-    budget = int(pool.dram_cache_bytes or 0)
+    # The rows each group may create instead of read (memory_pool/fresh.py), claimed before any
+    # of the tables' memory is handed out below (which would drop an unclaimed table's bitmap).
+    # (DLRM_CXL_FRESH=0: every miss read, for an A/B of this rule)
+    fresh = [pool.fresh.claim([m.name for m in ms], [m.embedding_dim for m in ms])
+             if os.environ.get("DLRM_CXL_FRESH", "1") != "0" else None for ms in members]
+    budget = int(pool.dram_cache_bytes or 0) - pool.fresh.nbytes  # (the bitmaps are DRAM of the pool's too)
     # The optimizer state's homes kept in memory, on a journaled tier, when they are small
     # (row-wise Adagrad: 4 bytes a row, 135 MB for kaggle's 8.8 GB): a miss then reads one page
     # from the device (its weights) instead of two (weights and state live in two files, and a
@@ -403,7 +408,7 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
             m.region.will_need(ids)
 
     arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready, write_back=pool.journaled,
-                       advise=advise if pool.journaled and os.environ.get("DLRM_CXL_WILLNEED", "1") != "0" else None)
+                       fresh=fresh, advise=advise if pool.journaled and os.environ.get("DLRM_CXL_WILLNEED", "1") != "0" else None)
     for g, ms in enumerate(members):
         for i, m in enumerate(ms):
             m.use_cache(arena.member(g, i))

@@ -14,7 +14,9 @@ slots, the maps and the per-slot metadata (:meth:`CacheArenaConfig.for_budget`).
 **A step** (``seq``: the planned batch's number, see below):
 
 1. :meth:`CacheArena.begin` — the batch's distinct rows per group are made resident (misses read
-   from the home, sorted, into free or evicted slots: with their optimizer state), and the
+   from the home, sorted, into free or evicted slots: with their optimizer state; a miss of a
+   row never written since its initialisation is created from the initializer instead, no read:
+   ``memory_pool/fresh.py``), and the
    batch's ids are translated to slot ids. fbgemm's fused forward and backward then run on
    :attr:`flat` exactly as on the pool's arena, in place: only the batch's slots change.
 2. :meth:`CacheArena.end` — right after the fused backward (``FusedEmbeddingBags``' after-update
@@ -97,6 +99,7 @@ import torch
 
 from .cache_config import (MAP_BYTES_PER_ROW, META_BYTES_PER_SLOT, CacheArenaConfig, CacheGroupConfig, CacheStats,
                            budget_size)
+from .cache_clock import NEVER, clock_victims
 from .cache_member import CacheMember
 from .errors import CacheTooSmallError, InvalidConfigError
 from .threads import intra_op_threads
@@ -104,7 +107,6 @@ from .threads import intra_op_threads
 __all__ = ["CacheGroupConfig", "CacheArenaConfig", "CacheArena", "CacheMember", "CacheStats",
            "CacheTooSmallError", "MAP_BYTES_PER_ROW", "META_BYTES_PER_SLOT"]
 
-_NEVER = torch.iinfo(torch.int64).max
 # A write-back group's dirtiness counts (dirty_fraction) only from this size of home: below it
 # its evicted dirty rows share pages (`kaggle` at a quarter: the groups past this are 6 tables of
 # 71 MiB to 2.5 GiB; the 8 others that evict have 0.5-35 MiB and are mostly dirty all the time).
@@ -132,11 +134,12 @@ class CacheArena:
     tensor (the pool's working copy of the table). ``ready(g, ids)``: called before rows ``ids``
     of group ``g`` are read from their homes (an on-demand replay applies its pending rows);
     ``advise(g, ids)`` then (a file's reads started ahead: ``Region.will_need``).
-    ``write_back``: see the module."""
+    ``write_back``: see the module. ``fresh[g]``: group ``g``'s rows still at their initial
+    value, which a miss creates in its slot instead of reading (``memory_pool/fresh.py``)."""
 
     def __init__(self, cfg: CacheArenaConfig, homes: Sequence[Sequence[torch.Tensor]],
                  ready: Callable[[int, torch.Tensor], None] | None = None, *, write_back: bool = False,
-                 advise: Callable[[int, torch.Tensor], None] | None = None):
+                 advise: Callable[[int, torch.Tensor], None] | None = None, fresh: Sequence | None = None):
         if not cfg.groups:
             raise InvalidConfigError("a cache arena needs at least one table")
         if len({len(g.dims) for g in cfg.groups}) != 1:
@@ -145,6 +148,7 @@ class CacheArena:
         self.stats = CacheStats()
         self._ready = ready
         self._advise = advise
+        self._fresh = list(fresh) if fresh is not None else [None] * len(cfg.groups)
         self.write_back = bool(write_back)
         self._lock = threading.RLock()
         M = cfg.members
@@ -402,20 +406,20 @@ class CacheArena:
         # process's until MemoryPool.trim_working_copy (and a clean-only clock would scan the
         # whole group for nothing).
         mostly_dirty = self.write_back and 2 * self._ndirty[gi] > g.cfg.slots
-        victims = self._victims(g, m, allow_dirty=mostly_dirty)
+        victims = clock_victims(g, m, self._floor, clean_only=self.write_back and not mostly_dirty)
         if victims is None and self.write_back and not mostly_dirty:
-            victims = self._victims(g, m, allow_dirty=True)
+            victims = clock_victims(g, m, self._floor, clean_only=False)
         if victims is None:
             if not steal:
                 return -1
             # Nothing free enough: rows of the planned batch furthest ahead (never this batch's).
             stamp = g.stamp
             key = torch.where(stamp < self._floor, stamp,
-                              torch.where(stamp == seq, _NEVER, (1 << 62) - stamp))
+                              torch.where(stamp == seq, NEVER, (1 << 62) - stamp))
             mine = g.row_slot.index_select(0, batch).to(torch.int64)
-            key[mine[mine >= 0]] = _NEVER  # (this batch's resident rows, whatever their stamp)
+            key[mine[mine >= 0]] = NEVER  # (this batch's resident rows, whatever their stamp)
             victims = torch.topk(key, m, largest=False, sorted=False).indices
-            if bool((key[victims] == _NEVER).any()):  # (begin() checked the count: not reached)
+            if bool((key[victims] == NEVER).any()):  # (begin() checked the count: not reached)
                 raise CacheTooSmallError(f"table {g.cfg.name!r}: no free cache slot")
             self.stats.prefetch_stolen += int((stamp[victims] >= self._floor).sum())
         victims, _ = torch.sort(victims)  # (slots in order: the reads below go to ascending addresses)
@@ -432,14 +436,20 @@ class CacheArena:
         if bool(was.any()):
             g.row_slot[old[was]] = -1
             self.stats.evictions += int(was.sum())
-        if self._ready is not None:
-            self._ready(gi, miss)
-        if self._advise is not None:
-            self._advise(gi, miss)  # (a file's pages requested all at once, before the copy faults them in)
-        for h, s in zip(g.homes, g.slots):
-            # miss is sorted: the home is read in ascending order
-            s.index_copy_(0, victims, h.index_select(0, miss))
-            self.stats.bytes_read_home += m * s.shape[1] * 4
+        # Rows still at their initial value are created in their slots, not read (their bits
+        # cleared now, before the step changes them: memory_pool/fresh.py).
+        new = self._fresh[gi].take(miss) if self._fresh[gi] is not None else None
+        read, into = (miss, victims) if new is None else (miss[~new], victims[~new])
+        if self._ready is not None and read.numel():
+            self._ready(gi, read)
+        if self._advise is not None and read.numel():
+            self._advise(gi, read)  # (a file's pages requested all at once, before the copy faults them in)
+        for i, (h, s) in enumerate(zip(g.homes, g.slots)):
+            s.index_copy_(0, into, h.index_select(0, read))  # (read is sorted: the home read in ascending order)
+            self.stats.bytes_read_home += read.numel() * s.shape[1] * 4
+            if new is not None:
+                s.index_copy_(0, victims[new], self._fresh[gi].values(i, miss[new]))
+        self.stats.rows_created += 0 if new is None else int(new.sum())
         g.slot_row[victims] = miss
         g.row_slot[miss] = victims.to(torch.int32)
         g.stamp[victims] = seq
@@ -455,41 +465,6 @@ class CacheArena:
         for h, s in zip(g.homes, g.slots):
             h.index_copy_(0, rows, s.index_select(0, slots))
             self.stats.bytes_written_home += rows.numel() * s.shape[1] * 4
-
-    def _victims(self, g: "_Group", m: int, allow_dirty: bool = False) -> torch.Tensor | None:
-        """``m`` slots of group ``g`` that no running or planned batch needs (Bagpipe's rule),
-        chosen by a clock (CLOCK, second chance: a slot needed again since the hand last passed
-        it is passed over once, and loses its bit), in chunks from the hand: O(m) a step, not
-        O(slots) (a scan of every stamp: ~9 ms a step on `small`, far more on `kaggle`'s 8.4 M
-        slots). Dirty slots (a write-back arena) only with ``allow_dirty``. None when two turns
-        of the hand find fewer than ``m``."""
-        S = g.stamp.numel()
-        floor = self._floor
-        found: list[torch.Tensor] = []
-        need, looked = m, 0
-        while need and looked < 2 * S:
-            lo = g.hand
-            n = min(S - lo, max(4 * need, 4096))
-            ok = (g.stamp[lo:lo + n] < floor) & ~g.ref[lo:lo + n]
-            if self.write_back and not allow_dirty:
-                ok &= ~g.dirty[lo:lo + n]
-            idx = ok.nonzero().squeeze(1)
-            if idx.numel() >= need:
-                idx = idx[:need]
-                last = int(idx[-1]) + 1
-            else:
-                last = n
-            g.ref[lo:lo + last] = False
-            g.hand = (lo + last) % S
-            idx = idx + lo
-            found.append((idx, g.stamp[idx]))
-            # (taken: not eligible again if the hand comes round a second time)
-            g.stamp[idx] = _NEVER
-            need -= idx.numel()
-            looked += last
-        for idx, old in found:
-            g.stamp[idx] = old  # (the caller stamps the victims it uses)
-        return None if need else torch.cat([idx for idx, _ in found])
 
     # -- the pool's own reads and writes of cached tables (CacheMember)
     def read_rows(self, gi: int, member: int, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:

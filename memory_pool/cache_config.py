@@ -140,6 +140,7 @@ class CacheStats:
     hits: int = 0                  # of them, resident when the step began (prefetched ones included)
     misses: int = 0                # read from the home at the step's start (the step waited)
     rows_prefetched: int = 0       # read from the home ahead of their step, by the prefetch thread
+    rows_created: int = 0          # of the misses and prefetched rows, created from the initializer, not read
     prefetch_skipped: int = 0      # planned batches (x tables) the prefetch left to their step: no free slot
     prefetch_stolen: int = 0       # prefetched rows a step evicted before their batch ran
     evictions: int = 0             # rows dropped from a slot for another

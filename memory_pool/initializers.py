@@ -1,21 +1,28 @@
-"""Table initialisation: deterministic in the seed, generated in parallel.
+"""Table initialisation: deterministic in the seed, computable for any one row.
 
-A new ``kaggle`` pool initialises 8.7 GB of rows. With one ``torch.Generator`` (a Mersenne
-Twister, serial by construction) that took 36 s of the pool's 52 s creation on shm, and set the
-time to the 100th step (issue #26 asks for 1.2x of TorchRec's, model initialisation included).
-So the rows are generated here in **blocks** of :data:`INIT_BLOCK_ROWS` rows, each from a
-generator of its own (numpy's SFC64, seeded from ``(seed, block)`` through a ``SeedSequence``),
-on a few threads (numpy fills an array without the GIL):
+A row's initial value is a **counter-based hash** of ``(seed, row, column)``, not the next draws of
+a generator's stream (initializer version :data:`INIT_VERSION`, recorded per table in the pool's
+header: ``MemoryPool.create_table``). Two things follow:
 
-* a row's value depends on the seed, its row and the table's width only -- not on the number of
-  threads, the chunking or the tier -- so a table is initialised identically on every tier and on
-  whichever rank holds it;
-* SFC64 fills float32 at ~0.7 s/GB on one core here, against ~2.8 s/GB for ``torch.rand``; with
-  the scaling done block by block while it is in cache, and the blocks spread over the cores, the
-  generation is no longer what a creation waits for (the tier's writes are).
+* a table is initialised in blocks of :data:`INIT_BLOCK_ROWS` rows on a few threads (numpy
+  releases the GIL), and a row's value depends on the seed, its row and the table's width only --
+  not on the number of threads, the chunking or the tier -- so a table is initialised identically
+  on every tier and on whichever rank holds it;
+* a row never written since can be **created instead of read** (:func:`uniform_rows`): a DRAM
+  cache in front of a table larger than DRAM makes a missed row that is still at its initial
+  value from the hash, in microseconds, instead of reading its page from the device
+  (``memory_pool/fresh.py``). On `kaggle` most misses of a run's first hundreds of steps are such
+  rows (README, "Tables larger than DRAM").
 
-The distribution is TorchRec's default: uniform in ``[-scale, scale)``, ``x * 2 scale - scale``
-for ``x`` uniform in ``[0, 1)`` (float32, 24 random bits each).
+The hash: a 64-bit per-row key ``k = fmix64(fmix64(seed ^ C) + row * G)`` (splitmix64's
+finaliser), then for column ``j`` the 32-bit ``z = fmix32(hi32(k) + j * G32)`` (murmur3's
+finaliser); the top 24 bits of ``z`` are ``x`` uniform in ``[0, 1)`` in steps of 2^-24. The
+distribution is TorchRec's default: uniform in ``[-scale, scale)``, ``x * 2 scale - scale`` in
+float32. ``tests/test_pool.py`` checks it against this definition written out in Python integers.
+
+Version 1 (pools made before 2026-12-05) drew blocks of 32k rows from one SFC64 stream each: one
+row cost its block's prefix. Those pools keep their rows (they are stored); their header records
+no initializer, so no row of theirs is ever created from a hash.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ import torch
 
 from .errors import InvalidConfigError
 
-__all__ = ["INIT_BLOCK_ROWS", "uniform_block", "uniform_chunks", "init_workers"]
+__all__ = ["INIT_BLOCK_ROWS", "INIT_VERSION", "uniform_rows", "uniform_block", "uniform_chunks", "init_workers"]
 
-INIT_BLOCK_ROWS = 1 << 15  # rows per independently seeded block (a value's definition: never change it)
+INIT_BLOCK_ROWS = 1 << 15  # rows generated at a time by one thread (not part of any value's definition)
+INIT_VERSION = 2          # the row hash above; 1: SFC64 blocks (stored pools only, never generated again)
 _PIECE_FLOATS = 1 << 16    # floats generated and scaled at a time (256 KiB: in cache between the two)
 
 
@@ -52,19 +60,59 @@ def init_workers() -> int:
     return max(1, min(8, n))
 
 
+_G64 = np.uint64(0x9E3779B97F4A7C15)
+_SEED_MIX = np.uint64(0x5851F42D4C957F2D)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_G32 = np.uint32(0x9E3779B9)
+_C1, _C2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+
+
+def _fmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place on uint64 (numpy's uint64 arithmetic wraps)."""
+    z ^= z >> np.uint64(30)
+    z *= _M1
+    z ^= z >> np.uint64(27)
+    z *= _M2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def uniform_rows(seed: int, rows, dim: int, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+    """The initial values of rows ``rows`` (int64, any order) of a table initialised from
+    ``seed``, uniform in ``[-scale, scale)``: float32 ``[len(rows), dim]``, into ``out`` if given
+    (C-contiguous). See the module for the definition."""
+    rows = np.asarray(rows, dtype=np.int64)
+    n = rows.size
+    key = _fmix64(np.array([seed % (1 << 64)], dtype=np.uint64) ^ _SEED_MIX)
+    k = rows.astype(np.uint64)
+    k *= _G64
+    k += key
+    k = (_fmix64(k) >> np.uint64(32)).astype(np.uint32)
+    out = np.empty((n, dim), dtype=np.float32) if out is None else out
+    two_s = np.float32(2.0 * scale / (1 << 24))
+    col = np.arange(dim, dtype=np.uint32) * _G32
+    step = max(1, _PIECE_FLOATS // max(dim, 1))
+    for a in range(0, n, step):  # (pieces that stay in cache between the passes)
+        b = min(a + step, n)
+        z = k[a:b, None] + col[None, :]
+        t = np.empty_like(z)
+        for shift, mul in ((16, _C1), (13, _C2), (16, None)):  # fmix32
+            np.right_shift(z, shift, out=t)
+            z ^= t
+            if mul is not None:
+                z *= mul
+        z >>= np.uint32(8)
+        piece = out[a:b]
+        np.multiply(z, two_s, out=piece, casting="unsafe")
+        np.subtract(piece, np.float32(scale), out=piece)
+    return out
+
+
 def uniform_block(seed: int, block: int, scale: float, out: np.ndarray) -> None:
-    """Block ``block``'s rows of a table initialised from ``seed``, uniform in
-    ``[-scale, scale)``, into ``out`` (float32 [rows, dim], C-contiguous; rows <=
-    INIT_BLOCK_ROWS: the last block of a table may be short -- its rows are the same as in a
-    full block, as each row's values follow the ones before it in the block's stream)."""
-    gen = np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed % (1 << 64), block])))
-    flat = out.reshape(-1)
-    two_s, s = np.float32(2.0 * scale), np.float32(scale)
-    for a in range(0, flat.size, _PIECE_FLOATS):
-        piece = flat[a:a + _PIECE_FLOATS]
-        gen.random(out=piece, dtype=np.float32)
-        np.multiply(piece, two_s, out=piece)
-        np.subtract(piece, s, out=piece)
+    """Block ``block``'s rows of a table initialised from ``seed`` (rows ``block *
+    INIT_BLOCK_ROWS`` on, as many as ``out`` [rows, dim] float32 C-contiguous has)."""
+    a = block * INIT_BLOCK_ROWS
+    uniform_rows(seed, np.arange(a, a + out.shape[0], dtype=np.int64), out.shape[1], scale, out)
 
 
 def uniform_chunks(num_rows: int, dim: int, seed: int, scale: float, *,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -42,7 +41,7 @@ from .transaction import Transaction
 from .gather import RowGather, copy_row_gathers, row_gathers, rows_per_pair
 from .kjt_lookup import lookup_kjt
 from .tableset import TableSet
-from .pooldir import destroy_pool, make_pool_dir, open_journal, open_pool_dir
+from .pooldir import close_pool_dir, destroy_pool, make_pool_dir, open_journal, open_pool_dir
 
 __all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "destroy_pool", "MAGIC", "FORMAT_VERSION",
            "HEADER", "read_header", "REPLAY_MODES"]
@@ -85,7 +84,8 @@ class MemoryPool:
             # What a table may ask of the pool (memory_pool/table.py): nothing else of it.
             host = TableHost(self.stats, check_open=self._check_open, check_writable=self._check_writable,
                              ready_rows=self._ready_rows, persist_rows=self.persist_rows, bulk_load=self._bulk_load,
-                             note_reset=self._note_reset, real_pmem=bool(self._real_pmem))
+                             note_reset=self._note_reset, real_pmem=bool(self._real_pmem),
+                             written=lambda name, ids=None: self.fresh.written(name, ids), exposed=self._exposed)
             self._tables = TableSet(host, cfgs, where=self.path, tier=tier, storage_dir=self.storage_dir,
                                     read_only=read_only, dram_cache_bytes=dram_cache_bytes)
             self._arena = self._tables.arena
@@ -110,7 +110,7 @@ class MemoryPool:
             plan, window = self._replayer.plan({t["name"] for t in header["tables"]}, self.path,
                                                on_demand=replay == "on-demand") \
                 if self.journaled and rows else ({}, None)
-            self._tables.open_all(cfgs, rows=rows)
+            self._tables.open_all(cfgs, rows=rows, pool_id=header["pool_id"], inits=header.get("inits"))
             self._replayer.start(plan, window, runs_dir=runs_dir if has_runs else None, read_only=read_only,
                                  replay=replay)
             self.stats.open_seconds = time.perf_counter() - t_open
@@ -205,7 +205,14 @@ class MemoryPool:
         self._check_open()
         if not on_demand:
             self._replayer.apply_pending()
+        self._exposed()  # (the kernels write rows that no cache admits: FreshRows.exposed)
         return self._arena.flat(dtype)
+
+    # Rows still at their initial value, created by a DRAM cache instead of read (memory_pool/fresh.py).
+    fresh = property(lambda self: self._tables.fresh)
+
+    def _exposed(self, name: str | None = None) -> None:
+        self._tables.fresh.exposed(name)
 
     # -- replay on demand (memory_pool/replay.py, memory_pool/ondemand.py)
     @property
@@ -347,6 +354,7 @@ class MemoryPool:
             "tables": self._tables.describe(),
             "meta": self.meta,
             "overlay": self._compaction.overlay.describe() if self._compaction.overlay is not None else None,
+            "fresh_rows": {n: self.fresh.count(n) for n in self.tables() if self.fresh.count(n)},
         }
 
     # -- changes
@@ -372,7 +380,8 @@ class MemoryPool:
         header's lock: the compactor's thread calls it too (format version 3), and two writers
         would each start from the same old header (and share its temporary file)."""
         with self._meta_lock:
-            header = {**self._header, **changes, "tables": [asdict(t.config) for t in self._tables.values()]}
+            header = {**self._header, **changes, "tables": [asdict(t.config) for t in self._tables.values()],
+                      "inits": self._tables.inits}  # (each table's initializer: TableSet.add)
             atomic_write(self.path / HEADER, header_bytes(header))
             self._header = header
 
@@ -419,18 +428,8 @@ class MemoryPool:
         # (the working copy: on `kaggle` several GB) must not: with no reference left here it is
         # unmapped now, or when the last view a caller still holds is gone.
         self._arena = None
-        if self._watched:
-            # Closing is a moment the power may go: what this process never synced is taken
-            # back now (fileio.power_on), so the files a closed pool leaves are exactly its
-            # durable state. A process that dies instead leaves its undo log to the next open.
-            fileio.unwatch(self.storage_dir)
-            self._watched = False
-            if self._lock_fd is not None:
-                fileio.power_on(self.storage_dir)
-                AppliedMark(self._header["pool_id"], lambda: [], self.path).remove()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        watched, lock_fd, self._watched, self._lock_fd = self._watched, self._lock_fd, False, None
+        close_pool_dir(self.path, self.storage_dir, self._header["pool_id"], watched=watched, lock_fd=lock_fd)
 
     def __del__(self) -> None:
         # A pool dropped without close() must not keep its writer lock for the life of the process.

@@ -38,7 +38,7 @@ from .tiers import Tier, libpmem_missing, resolve_tier, shm_root, tier_of
 from .validation import env_mib, is_int, json_copy
 from .writer_lock import LOCK_FILE, take_lock
 
-__all__ = ["resolve_tier", "segment_bytes", "check_libpmem_request", "make_pool_dir", "open_pool_dir", "power_on",
+__all__ = ["resolve_tier", "segment_bytes", "check_libpmem_request", "make_pool_dir", "open_pool_dir", "close_pool_dir", "power_on",
            "open_journal", "destroy_pool"]
 
 
@@ -167,6 +167,21 @@ def power_on(path: Path, header: dict, *, locked: bool) -> dict:
         if probe is not None:
             os.close(probe)
     return read_header(path)
+
+
+def close_pool_dir(path: Path, storage_dir: Path, pool_id: str, *, watched: bool, lock_fd: int | None) -> None:
+    """What ``MemoryPool.close`` does last, its files closed: a watched writer's emulated power
+    loss, then the writer lock released."""
+    if watched:
+        # Closing is a moment the power may go: what this process never synced is taken back
+        # now (fileio.power_on), so the files a closed pool leaves are exactly its durable
+        # state. A process that dies instead leaves its undo log to the next open.
+        fileio.unwatch(storage_dir)
+        if lock_fd is not None:
+            fileio.power_on(storage_dir)
+            AppliedMark(pool_id, lambda: [], path).remove()
+    if lock_fd is not None:
+        os.close(lock_fd)  # releases the flock
 
 
 def open_journal(storage_dir: Path, tier: Tier, *, read_only: bool) -> Journal:

@@ -115,7 +115,9 @@ class TableHost:
     around a bulk load of table ``name`` into its image, from before its pending rows are
     forgotten until its reset is committed: no compaction or write-back pass runs meanwhile.
     ``note_reset(name)``: the table was loaded whole into its image, durably (a journaled tier
-    commits a reset marker). ``real_pmem``: rows persist by cache-line flushes (real pmem)."""
+    commits a reset marker). ``real_pmem``: rows persist by cache-line flushes (real pmem).
+    ``written(name, ids=None)``: rows ``ids`` (None: any) are about to change; ``exposed(name)``:
+    the table's memory is handed out writable (both: ``FreshRows``, memory_pool/fresh.py)."""
 
     stats: PoolStats
     check_open: Callable[[], None]
@@ -125,6 +127,8 @@ class TableHost:
     bulk_load: Callable[[str], AbstractContextManager]
     note_reset: Callable[[str], None]
     real_pmem: bool = False
+    written: Callable[..., None] = lambda name, ids=None: None   # rows about to change (memory_pool/fresh.py)
+    exposed: Callable[[str], None] = lambda name: None          # memory handed out writable (Table.view)
 
 
 class Table:
@@ -183,6 +187,7 @@ class Table:
         """
         self._host.check_open()
         self._host.ready_rows(self.name)
+        self._host.exposed(self.name)  # (what is written through it is not seen: no row is "fresh")
         if self._cache is not None:
             self._cache.flush()  # (a write-back cache's newer rows first: the view is the table)
         return self._region.tensor
@@ -206,6 +211,7 @@ class Table:
 
     def _scatter(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         self._host.ready_rows(self.name, ids)  # (or a pending journal value would overwrite these later)
+        self._host.written(self.name, ids)
         self._region.tensor.index_copy_(0, ids, values)
         self._region.mark_dirty(ids)
         if self._cache is not None:
@@ -229,6 +235,7 @@ class Table:
     def restore_raw(self, ids: torch.Tensor, raw: torch.Tensor) -> None:
         """Set rows ``ids`` to raw bytes ``raw`` [n, row_bytes] (recovery's write path)."""
         self._host.ready_rows(self.name, ids)
+        self._host.written(self.name, ids)
         self._region.restore_rows(ids, raw)
         if self._cache is not None:
             self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
@@ -255,6 +262,7 @@ class Table:
     def mark_dirty(self, ids: torch.Tensor) -> None:
         """Note rows changed in place by a trusted writer (e.g. a fused kernel): the next
         ``persist()`` covers them."""
+        self._host.written(self.name, ids)
         self._region.mark_dirty(ids)
 
     def take_dirty(self) -> torch.Tensor:
@@ -351,6 +359,7 @@ class Table:
         # Every row is replaced: no journal (or run) value may land later, and no compaction or
         # write-back pass writes the table's older rows into the image until the reset is
         # committed (TableHost.bulk_load forgets its pending rows, and holds them off).
+        self._host.written(self.name)
         with self._host.bulk_load(self.name):
             t = region.tensor
             for a, vals in chunks:

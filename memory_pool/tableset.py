@@ -16,6 +16,7 @@ from . import fileio
 from .arena import Arena, page_round
 from .cache import RowCache
 from .errors import PoolCorruptError, PoolFullError, TableExistsError, TableNotFoundError
+from .fresh import FreshRows, InitSpec
 from .header import table_file
 from .table import Table, TableConfig, TableHost
 from .tiers import Tier, open_region
@@ -46,6 +47,11 @@ class TableSet(Mapping):
         self._dram_left = dram_cache_bytes
         self._by_name: dict[str, Table] = {}
         self._rows = True   # (open_all: False when the pool was opened without its rows)
+        self._pool_id = ""
+        # Each table's initializer, as the header records it (add), and the rows still at their
+        # initial value (memory_pool/fresh.py): loaded by a writer's open_all, saved by close.
+        self.inits: dict[str, dict] = {}
+        self.fresh = FreshRows()
         # One address range for every table (see arena.py); room for tables created later. Only
         # reserved (PROT_NONE, MAP_NORESERVE: no memory, no commit charge), so it is generous:
         # 16 GiB of room made a new pool refuse its tables past 16 GiB (a 35 GB `kaggle` with
@@ -62,9 +68,16 @@ class TableSet(Mapping):
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def open_all(self, cfgs: list[TableConfig], *, rows: bool = True) -> None:
-        """Attach the tables of an existing pool (their files must exist); none without ``rows``."""
-        self._rows = rows
+    def open_all(self, cfgs: list[TableConfig], *, rows: bool = True, pool_id: str = "",
+                 inits: dict | None = None) -> None:
+        """Attach the tables of an existing pool (their files must exist); none without ``rows``.
+        ``inits``: the header's initializer of each table."""
+        self._rows, self._pool_id, self.inits = rows, pool_id, dict(inits or {})
+        if rows and not self._read_only and self._tier.has_files:
+            # (before anything can change a row: FreshRows.load removes its file durably)
+            specs = {n: InitSpec.from_dict(d) for n, d in self.inits.items()}
+            self.fresh = FreshRows.load(self._storage_dir, pool_id, {c.name: c.num_embeddings for c in cfgs},
+                                        {n: sp for n, sp in specs.items() if sp is not None})
         total = sum(c.nbytes for c in cfgs)
         dram_cache_bytes = self._dram_cache_bytes
         # When the tables of an existing pool do not all fit the DRAM budget, it is split in
@@ -123,6 +136,10 @@ class TableSet(Mapping):
             raise PoolFullError(
                 f"table {name!r} needs {cfg.nbytes} bytes; pool has {cap - self.used_bytes()} of {cap} left")
         dram_left = self._dram_left
+        # The initializer recorded with the table (the header lists it below): a row still at its
+        # initial value is then created from it instead of read (memory_pool/fresh.py).
+        spec = InitSpec(init, seed, (1.0 / cfg.num_embeddings) ** 0.5 if scale is None else float(scale)) \
+            if init == "uniform" else InitSpec(init)
         table = self._attach(cfg, create=True)
         try:
             if init != "zeros":
@@ -134,11 +151,13 @@ class TableSet(Mapping):
                 fileio.fsync_dir(table.region.path.parent)
             with lock:  # (no other header write lists the table before this one, or misses it after)
                 self._by_name[cfg.name] = table
+                self.inits[name] = asdict(spec)
                 write_header()
         except BaseException:
             with lock:
                 self._dram_left = dram_left
                 self._by_name.pop(cfg.name, None)
+                self.inits.pop(name, None)
             table.close()
             if self._tier.has_files:
                 try:
@@ -146,6 +165,8 @@ class TableSet(Mapping):
                 except OSError:
                     pass
             raise
+        if cfg.dtype == "float32":
+            self.fresh.add(name, cfg.num_embeddings, spec)
         return table
 
     def used_bytes(self) -> int:
@@ -159,7 +180,11 @@ class TableSet(Mapping):
         ]
 
     def close(self) -> None:
-        """Release every table's region; the arena goes with the last reference to it."""
+        """Save the rows still at their initial value (a writer: ``FreshRows.save``, durable before
+        the pool's close lets the emulated power go), then release every table's region; the arena
+        goes with the last reference to it."""
+        if self._rows and not self._read_only and self._tier.has_files and self._by_name:
+            self.fresh.save(self._storage_dir, self._pool_id)
         for t in self._by_name.values():
             t.close()
         self.arena = None

@@ -353,6 +353,8 @@ def test_cached_fused_path_is_bit_identical_to_the_uncached_over_50_steps_with_e
     # timing: on a loaded machine it once kept ahead of all 50 steps, a hit rate of 1. The
     # step's own admissions are tested on the arena itself, above.)
     assert c["rows_prefetched"] > 0 and 0 < c["hit_rate"] <= 1 and c["bytes_written_home"] > 0
+    # (rows never trained created from the initializer, not read: memory_pool/fresh.py)
+    assert 0 < c["rows_created"] < c["misses"] + c["rows_prefetched"], c
     assert summary.pool_stats["memory"]["budget_bytes"] == BUDGET and summary.pool_stats["memory"]["vm_rss"] > 0
     assert t.model.cache_bags is not None and t.fused  # (fbgemm's kernels, not the reference path)
     assert digest == uncached[N]

@@ -453,24 +453,54 @@ def test_fill_uniform_is_deterministic_in_seed_and_bounded_by_scale(tmp_path):
     assert float(vals[0].abs().max()) <= (1 / 1000) ** 0.5 and float(vals[0].abs().max()) > 0
 
 
-def _uniform_reference(rows: int, dim: int, seed: int, scale: float) -> torch.Tensor:
-    """The initialisation's definition, written out: block b of INIT_BLOCK_ROWS rows is SFC64
-    seeded from (seed, b), float32 uniforms x in [0, 1), as x * 2 scale - scale."""
+_M64 = (1 << 64) - 1
+
+
+def _fmix64(z: int) -> int:
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & _M64
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _fmix32(z: int) -> int:
+    z ^= z >> 16
+    z = (z * 0x85EBCA6B) & 0xFFFFFFFF
+    z ^= z >> 13
+    z = (z * 0xC2B2AE35) & 0xFFFFFFFF
+    return z ^ (z >> 16)
+
+
+def _uniform_reference(row: int, dim: int, seed: int, scale: float) -> torch.Tensor:
+    """The initialisation's definition (memory_pool/initializers.py, version 2), written out in
+    Python integers: a 64-bit key per row from (seed, row), a 32-bit hash per column, its top
+    24 bits x / 2^24 uniform in [0, 1), as x * 2 scale - scale in float32."""
     import numpy as np
 
-    out = []
-    for b, a in enumerate(range(0, rows, INIT_BLOCK_ROWS)):
-        n = min(INIT_BLOCK_ROWS, rows - a) * dim
-        gen = np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, b])))
-        x = gen.random(n, dtype=np.float32)
-        out.append(torch.from_numpy(x * np.float32(2 * scale) - np.float32(scale)).view(-1, dim))
-    return torch.cat(out)
+    k = _fmix64((row * 0x9E3779B97F4A7C15 + _fmix64((seed % (1 << 64)) ^ 0x5851F42D4C957F2D)) & _M64) >> 32
+    x = [_fmix32((k + j * 0x9E3779B9) & 0xFFFFFFFF) >> 8 for j in range(dim)]
+    return torch.from_numpy(np.float32(x) * np.float32(2 * scale / (1 << 24)) - np.float32(scale))
+
+
+def test_a_rows_initial_value_is_its_definition_computed_for_that_row_alone():
+    from memory_pool.initializers import uniform_rows
+
+    rows = [0, 1, 7, 12_345, 2 ** 33 + 5]
+    got = torch.from_numpy(uniform_rows(3, rows, 6, 0.25))
+    assert torch.equal(got, torch.stack([_uniform_reference(r, 6, 3, 0.25) for r in rows]))
+    assert torch.equal(got[2:3], torch.from_numpy(uniform_rows(3, [7], 6, 0.25)))   # (alone, same value)
+    assert not torch.equal(got, torch.from_numpy(uniform_rows(4, rows, 6, 0.25)))   # (the seed counts)
 
 
 @pytest.mark.parametrize("threads", ["1", "3"])
 def test_uniform_init_is_the_same_on_every_tier_for_any_number_of_threads(tier, threads, tmp_pool_dir, monkeypatch):
+    from memory_pool.initializers import uniform_rows
+
     rows = 2 * INIT_BLOCK_ROWS + 77  # three blocks, the last one short
-    expected = _uniform_reference(rows, 4, 11, rows ** -0.5)
+    expected = torch.from_numpy(uniform_rows(11, range(rows), 4, rows ** -0.5))
+    for r in (0, 1, INIT_BLOCK_ROWS - 1, INIT_BLOCK_ROWS, rows - 1):  # (the definition, for a few rows)
+        assert torch.equal(expected[r], _uniform_reference(r, 4, 11, rows ** -0.5))
     monkeypatch.setenv("DLRM_CXL_INIT_THREADS", threads)
     with MemoryPool.create(tmp_pool_dir, tier=tier) as pool:
         t = pool.create_table("t", rows, 4, init="uniform", seed=11)

@@ -3,7 +3,8 @@
 against the same model fully in memory, side by side in one run (issue 26).
 
 Variants (the same preset, seed, synthetic data and optimizers; ``--checkpoint undo`` with the
-recovery window from the default budget, as ``dlrm-cxl train`` runs by default):
+recovery window from the default budget, as ``dlrm-cxl train`` runs by default; ``--checkpoint
+none`` in every variant shows what the cache costs apart from the tier's durability):
 
 * ``memory``: every table in DRAM (tier ``dram``), no cache: the fully in-memory reference;
 * ``pmem+cache``: the home on emulated pmem (``--root``: a file system), a DRAM budget of
@@ -160,10 +161,10 @@ class PeakMemory:
 
 
 def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, warmup: int, steps: int,
-                prefetch: int, threads: int | None, peak_every: float = 0.0) -> dict:
+                prefetch: int, threads: int | None, peak_every: float = 0.0, checkpoint: str = "undo") -> dict:
     pool = root / name.replace("+", "-")
     o = TrainOptions(pool=str(pool), steps=warmup + steps, tier=tier, dram_cache_bytes=budget, threads=threads,
-                     progress=False, prefetch_batches=prefetch, fresh=True)
+                     progress=False, prefetch_batches=prefetch, fresh=True, checkpoint=checkpoint)
     t0 = time.perf_counter()
     t = Trainer(o, cfg, log=lambda s: None)
     made = time.perf_counter() - t0
@@ -205,7 +206,7 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
         if arena is not None:
             st1 = arena.stats.as_dict()
             d = {k: st1[k] - st0[k] for k in ("rows_needed", "hits", "misses", "rows_prefetched", "bytes_read_home",
-                                             "wait_seconds", "evictions", "dirty_evictions")}
+                                             "wait_seconds", "evictions", "dirty_evictions", "rows_created")}
             out["cache"] = {**d, "hit_rate": d["hits"] / max(d["rows_needed"], 1),
                             "wait_ms_per_step": 1e3 * d["wait_seconds"] / steps,
                             "home_read_bytes_per_step": d["bytes_read_home"] / steps,
@@ -241,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-every", type=float, default=0.0,
                     help="also sample the DRAM each variant uses (RssAnon + the pool files' page cache) every this many "
                          "seconds while it trains, and print the peak (0: off; sampling costs some CPU)")
+    ap.add_argument("--checkpoint", choices=("undo", "none"), default="undo",
+                    help="none: no recovery points in any variant (what the cache costs without the tier's durability)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (a child: one variant, JSON on stdout)
     a = ap.parse_args(argv)
@@ -261,7 +264,7 @@ def main(argv=None) -> int:
         v, k = a.one.rsplit("@", 1)
         tier, b = spec[v]
         r = run_variant(v, cfg, tier=tier, budget=b, root=root, warmup=a.warmup, steps=a.steps,
-                        prefetch=int(k), threads=a.threads, peak_every=a.peak_every)
+                        prefetch=int(k), threads=a.threads, peak_every=a.peak_every, checkpoint=a.checkpoint)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     # Each variant in a process of its own, one after the other: the resident memory of one is
@@ -275,6 +278,7 @@ def main(argv=None) -> int:
             cmd += ["--threads", str(a.threads)] if a.threads else []
             cmd += ["--peak-every", str(a.peak_every)] if a.peak_every > 0 else []
             cmd += ["--larger-than-ram"] if a.larger_than_ram else []
+            cmd += ["--checkpoint", a.checkpoint]
             p = subprocess.run(cmd, capture_output=True, text=True)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode or not line:
@@ -287,7 +291,7 @@ def main(argv=None) -> int:
     base = next((r["samples_per_s"] for r in results if r["variant"] == "memory"), None)
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
-          f"{'dev MB/st':>9} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
+          f"{'dev MB/st':>9} {'made/st':>7} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
           f"{'trim/refr':>9} {'copy MB peak':>12}" + (f" {'DRAM MB peak':>12}" if a.peak_every > 0 else ""))
     for r in results:
         c, m = r.get("cache"), r["memory"]
@@ -298,18 +302,20 @@ def main(argv=None) -> int:
                  f"{c['wait_ms_per_step']:.2f}" if c else "-",
                  f"{c['home_read_bytes_per_step'] / 1e6:.2f}" if c else "-",
                  f"{dev / 1e6:.2f}" if dev is not None else "-",
+                 f"{c['rows_created'] / a.steps:,.0f}" if c else "-",
                  f"{m.get('rss_anon', 0) / 1e6:.1f}", f"{m['pool_page_cache_bytes'] / 1e6:.1f}",
                  f"{(m['dram_bytes'] or 0) / 1e6:.1f}", f"{budget / 1e6:.1f}" if r["budget_bytes"] else "-",
                  f"{m['shm_device_bytes'] / 1e6:.1f}",
                  f"{m['trims']}/{m['refreshes']}" if "trims" in m else "-",
                  f"{m['peak_working_copy_bytes'] / 1e6:.1f}" if "peak_working_copy_bytes" in m else "-"]
-        widths = [12, 10, 8, 8, 8, 10, 9, 8, 9, 8, 9, 10, 9, 12]
+        widths = [12, 10, 8, 8, 8, 10, 9, 7, 8, 9, 8, 9, 10, 9, 12]
         if a.peak_every > 0:
             cells.append(f"{m.get('peak_dram_bytes', 0) / 1e6:.1f}")
             widths.append(12)
         print(" ".join(f"{x:<{w}}" if i == 0 else f"{x:>{w}}" for i, (x, w) in enumerate(zip(cells, widths))))
     print("\nDRAM = anonymous memory + the pool files' page cache (the whole process: torch, the MLPs, the "
           "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget; "
+          "made/st = missed rows created from the initializer a step, not read (memory_pool/fresh.py); "
           "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row into the images) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
           "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)" +
           ("; DRAM MB peak = the most DRAM sampled while the variant trained (--peak-every)" if a.peak_every > 0 else ""))

@@ -1,0 +1,179 @@
+"""Rows never written since their initialisation, created by a DRAM cache's miss instead of read
+(memory_pool/fresh.py): what the bitmap claims, how it is kept and lost, and that it never
+claims a row that changed -- through real pools, a real SIGKILL and an emulated power loss."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from dlrm_cxl.fused import bind_cached
+from memory_pool import MemoryPool
+from memory_pool.fresh import FRESH_FILE, InitSpec
+
+ROWS, DIM = 200, 4
+
+
+def make_pool(path, tier="pmem"):
+    """Table ``t`` (uniform) and its optimizer state ``t.adagrad`` (zeros), closed cleanly."""
+    with MemoryPool.create(path, tier=tier) as pool:
+        pool.create_table("t", ROWS, DIM, init="uniform", seed=5)
+        pool.create_table("t.adagrad", ROWS, 1, init="zeros")
+        pool.persist()
+    return path
+
+
+def open_cached(path, budget=64 << 10):
+    pool = MemoryPool.open(path, dram_cache_bytes=budget)
+    bags = bind_cached(pool, [pool.table("t")], [pool.table("t.adagrad")], optimizer="rowwise_adagrad",
+                       lr=0.1, eps=1e-8, batch_size=4)
+    return pool, bags.arena
+
+
+def storage(pool) -> "Path":  # noqa: F821
+    return pool.storage_dir
+
+
+@pytest.mark.parametrize("tier", ["shm", "pmem", "power-sim"])
+def test_a_miss_of_a_row_never_written_is_created_equal_to_its_stored_value_without_a_read(tmp_path, tier):
+    path = make_pool(tmp_path / "p", tier)
+    with MemoryPool.open(path, read_only=True) as ro:
+        stored = ro.table("t").read(torch.arange(ROWS))
+    pool, arena = open_cached(path)
+    try:
+        assert pool.fresh.count("t") == ROWS and pool.fresh.count("t.adagrad") == ROWS
+        rows = torch.tensor([3, 17, 150])
+        arena.prefetch([rows])
+        g = arena.groups[0]
+        slot = g.row_slot[rows].to(torch.int64)
+        assert torch.equal(g.slots[0][slot], stored[rows])            # weights: the initializer's values
+        assert torch.equal(g.slots[1][slot], torch.zeros(3, 1))       # optimizer state: zeros
+        assert arena.stats.rows_created == 3 and arena.stats.bytes_read_home == 0
+        assert pool.fresh.count("t") == ROWS - 3                        # (cleared on admission)
+        # Evicted and missed again: read from the home now, not created (it may have changed).
+        arena.groups[0].row_slot.fill_(-1), arena.groups[0].slot_row.fill_(-1)
+        arena.prefetch([rows])
+        assert arena.stats.rows_created == 3 and arena.stats.bytes_read_home == 3 * (DIM + 1) * 4
+    finally:
+        pool.close()
+
+
+def test_the_bitmap_survives_a_clean_close_and_every_write_path_clears_its_rows(tmp_path):
+    path = make_pool(tmp_path / "p")
+    with MemoryPool.open(path) as pool:
+        assert not (storage(pool) / FRESH_FILE).exists()   # (taken at open: a crash must leave none)
+        assert pool.fresh.count("t") == ROWS
+        t = pool.table("t")
+        t.write(torch.tensor([0, 1]), torch.ones(2, DIM))
+        t.scatter_rows(torch.tensor([2]), torch.ones(1, DIM))
+        t.restore_raw(torch.tensor([3]), torch.ones(1, DIM).view(torch.uint8))
+        t.mark_dirty(torch.tensor([4]))
+        pool.table("t.adagrad").write(torch.tensor([9]), torch.ones(1, 1))
+        pool.persist()
+    assert (path / FRESH_FILE).exists()
+    with MemoryPool.open(path) as pool:
+        assert pool.fresh.count("t") == ROWS - 5 and pool.fresh.count("t.adagrad") == ROWS - 1
+        assert pool.describe()["fresh_rows"] == {"t": ROWS - 5, "t.adagrad": ROWS - 1}
+        pool.table("t").load_(torch.zeros(ROWS, DIM))          # a bulk load: no row is initial now
+        assert pool.fresh.count("t") == 0
+
+
+def test_a_group_shares_one_bitmap_so_a_write_to_its_state_makes_the_row_read(tmp_path):
+    path = make_pool(tmp_path / "p")
+    pool, arena = open_cached(path)
+    try:
+        pool.table("t.adagrad").write(torch.tensor([7]), torch.full((1, 1), 2.0))
+        arena.prefetch([torch.tensor([7, 8])])
+        assert arena.stats.rows_created == 1                     # 8 only
+        g = arena.groups[0]
+        assert float(g.slots[1][int(g.row_slot[7])]) == 2.0     # 7 read, with its written state
+    finally:
+        pool.close()
+
+
+def test_handing_out_a_tables_memory_without_a_cache_drops_its_bitmap(tmp_path):
+    """The uncached fused kernels write the arena directly (``arena_tensor``); a view may be
+    written too: no row of such a table can be claimed initial afterwards."""
+    path = make_pool(tmp_path / "p")
+    with MemoryPool.open(path) as pool:
+        pool.table("t.adagrad").view()
+        assert pool.fresh.count("t.adagrad") == 0 and pool.fresh.count("t") == ROWS
+        pool.arena_tensor()
+        assert pool.fresh.count("t") == 0
+    with MemoryPool.open(path) as pool:
+        assert pool.fresh.count("t") == 0
+    # A cache that claimed its tables first keeps them through both.
+    make_pool(tmp_path / "q")
+    pool, arena = open_cached(tmp_path / "q")
+    try:
+        pool.arena_tensor(), pool.table("t").view()
+        assert pool.fresh.count("t") == ROWS
+    finally:
+        pool.close()
+
+
+def test_a_damaged_bitmap_file_is_dropped_with_a_note_and_every_row_is_read(tmp_path):
+    path = make_pool(tmp_path / "p")
+    f = path / FRESH_FILE
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with MemoryPool.open(path) as pool:
+        assert pool.fresh.count("t") == 0 and "damaged" in pool.fresh.note
+        assert not f.exists()
+
+
+def test_an_initializer_this_version_cannot_recreate_gives_no_bitmap():
+    assert InitSpec.from_dict({"kind": "uniform", "seed": 1, "scale": 0.1, "version": 1}) is None  # (SFC64 blocks)
+    assert InitSpec.from_dict({"kind": "normal", "version": 2}) is None
+    assert InitSpec.from_dict({"kind": "zeros", "version": 2}) == InitSpec("zeros")
+
+
+def test_a_writer_killed_leaves_no_bitmap_and_its_trained_rows_are_read(tmp_path, run_py):
+    path = make_pool(tmp_path / "p", "pmem")   # (a SIGKILL alone: the page cache kept)
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.open({str(path)!r})
+        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
+        pool.persist()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pool, arena = open_cached(path)
+    try:
+        assert pool.fresh.count("t") == 0
+        arena.prefetch([torch.arange(6)])
+        g = arena.groups[0]
+        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
+        assert arena.stats.rows_created == 0
+    finally:
+        pool.close()
+
+
+def test_the_bitmaps_removal_at_open_is_durable_before_a_power_loss(tmp_path, run_py):
+    """The writer's open removes the file and syncs the directory before anything changes:
+    without that sync an emulated power loss brings the file back, and it claims the rows the
+    killed writer trained and persisted were still initial -- the cache would create their old
+    values. (The sync is ``FreshRows.load``'s ``fsync_dir``; a test of it must fail without it:
+    ``tools/sync_mutants.py``.)"""
+    path = make_pool(tmp_path / "p", "power-sim")
+    assert (path / FRESH_FILE).exists()  # (the clean close's file survived that close's power loss)
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.open({str(path)!r})
+        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
+        pool.persist()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pool, arena = open_cached(path)   # (its open powers on: what the killed writer never synced is undone)
+    try:
+        arena.prefetch([torch.arange(4)])
+        g = arena.groups[0]
+        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
+    finally:
+        pool.close()
