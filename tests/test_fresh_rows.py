@@ -151,29 +151,3 @@ def test_a_writer_killed_leaves_no_bitmap_and_its_trained_rows_are_read(tmp_path
         assert arena.stats.rows_created == 0
     finally:
         pool.close()
-
-
-def test_the_bitmaps_removal_at_open_is_durable_before_a_power_loss(tmp_path, run_py):
-    """The writer's open removes the file and syncs the directory before anything changes:
-    without that sync an emulated power loss brings the file back, and it claims the rows the
-    killed writer trained and persisted were still initial -- the cache would create their old
-    values. (The sync is ``FreshRows.load``'s ``fsync_dir``; a test of it must fail without it:
-    ``tools/sync_mutants.py``.)"""
-    path = make_pool(tmp_path / "p", "power-sim")
-    assert (path / FRESH_FILE).exists()  # (the clean close's file survived that close's power loss)
-    proc = run_py(f"""
-        import os, signal, torch
-        from memory_pool import MemoryPool
-        pool = MemoryPool.open({str(path)!r})
-        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
-        pool.persist()
-        os.kill(os.getpid(), signal.SIGKILL)
-    """, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pool, arena = open_cached(path)   # (its open powers on: what the killed writer never synced is undone)
-    try:
-        arena.prefetch([torch.arange(4)])
-        g = arena.groups[0]
-        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
-    finally:
-        pool.close()

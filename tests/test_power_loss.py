@@ -593,3 +593,38 @@ def test_a_tail_segment_cut_by_recovery_stays_gone_after_a_power_loss(tmp_path):
     assert len(list(tmp_path.glob("seg-*.log"))) == 1, sorted(p.name for p in tmp_path.glob("seg-*.log"))
     assert [t.tag for t in after.txns] == [0, 1, 2, 3] and not after.tail and after.tail_damage is None
     assert bytes(after.read(after.txns[-1].records[0])) == bytes(100)
+
+
+def test_the_bitmaps_removal_at_open_is_durable_before_a_power_loss(tmp_path, run_py):
+    """The writer's open removes the file and syncs the directory before anything changes:
+    without that sync an emulated power loss brings the file back, and it claims the rows the
+    killed writer trained and persisted were still initial -- the cache would create their old
+    values. (The sync is ``FreshRows.load``'s ``fsync_dir``; a test of it must fail without it:
+    ``tools/sync_mutants.py``; memory_pool/fresh.py says why.)"""
+    from dlrm_cxl.fused import bind_cached
+    from memory_pool.fresh import FRESH_FILE
+
+    path = tmp_path / "p"
+    with MemoryPool.create(path, tier="power-sim") as pool:
+        pool.create_table("t", 200, 4, init="uniform", seed=5)
+        pool.create_table("t.adagrad", 200, 1, init="zeros")
+        pool.persist()
+    assert (path / FRESH_FILE).exists()  # (the clean close's file survived that close's power loss)
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.open({str(path)!r})
+        pool.table("t").write(torch.arange(4), torch.full((4, 4), 3.0))
+        pool.persist()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pool = MemoryPool.open(path, dram_cache_bytes=64 << 10)  # (it powers on: the killed writer's unsynced undone)
+    try:
+        arena = bind_cached(pool, [pool.table("t")], [pool.table("t.adagrad")], optimizer="rowwise_adagrad",
+                            lr=0.1, eps=1e-8, batch_size=4).arena
+        arena.prefetch([torch.arange(4)])
+        g = arena.groups[0]
+        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, 4), 3.0))
+    finally:
+        pool.close()
