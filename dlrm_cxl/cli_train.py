@@ -171,7 +171,8 @@ def _print_cache(ps: dict, steps: int) -> None:
     if c and steps:
         hr = "n/a" if c["hit_rate"] is None else f"{c['hit_rate']:.1%}"
         print(f"dram cache: {c['arena_bytes'] / 1e6:.1f} MB for {c['slots']:,} of {c['rows']:,} rows, hit rate {hr}, "
-              f"{c['rows_prefetched']:,} rows prefetched; steps waited {c['wait_ms_per_step']:.2f} ms/step for rows "
+              f"{c['rows_prefetched']:,} rows prefetched, {c.get('rows_created', 0):,} of the rows missed never trained "
+              f"(created, not read); steps waited {c['wait_ms_per_step']:.2f} ms/step for rows "
               f"and spent {c['write_ms_per_step']:.2f} ms/step writing them through; "
               f"{c['bytes_read_home_per_step'] / 1e6:.2f} MB/step read from the home")
     m = ps.get("memory")
