@@ -25,9 +25,10 @@ written at :meth:`MemoryPool.close <memory_pool.pool.MemoryPool.close>` to
 leaves the old file, the new one, or none). A writer's open reads the file and **removes it,
 durably, before anything can change**: a pool that crashes, or loses power, comes back with no
 file, and every row is then read from its home (correct, as before this file existed). The cost:
-after a crash a run reads the rows it would have created until the next clean close. Rebuilding
-the bitmap from the journal at open (the rows a crash's durable state changed are exactly the
-journal's) would lift that; not done.
+after a crash a run reads the rows it would have created until the next clean close. What would
+lift that on the journaled tiers (not built; README, "Rows never trained are created"): the file
+kept at open, saved before every move of the applied mark and of the journal's START, the replay
+plan's rows cleared at open, and a bulk load removing the file before its image is synced.
 
 Only tables made with initializer version 2 have a bitmap (their header entry records the
 initializer: ``MemoryPool.create_table``); a table of an older pool is always read.
