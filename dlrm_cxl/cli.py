@@ -101,6 +101,12 @@ def _cmd_inspect(args) -> int:
     if ov:
         print(f"row overlay: {ov['runs']} runs, {ov['bytes'] / 1e6:.1f} MB, {ov['rows']:,} rows kept out of the "
               f"images (memory_pool/overlay.py)")
+    # (over the embedding tables: an optimizer state's rows share their table's bits)
+    fresh, tables = info.get("fresh_rows") or {}, info["embedding_tables"] or info["tables"]
+    if any(t["name"] in fresh for t in tables):
+        print(f"rows known never trained: {sum(fresh.get(t['name'], 0) for t in tables):,} of "
+              f"{sum(t['num_embeddings'] for t in tables):,} (a DRAM cache creates them from the initializer on first "
+              f"use, no read: memory_pool/fresh.py)")
     print(f"step reached (committed): {status['committed_step']}")
     if status.get("replay_steps"):
         r = status["replay_steps"]

@@ -206,12 +206,13 @@ class FreshRows:
         return True
 
     @classmethod
-    def load(cls, storage_dir: Path, pool_id: str, tables: dict[str, int], specs: dict[str, InitSpec]) -> "FreshRows":
-        """A writer's open: the bitmaps the last clean close left, for the tables that still
-        match (``tables``: rows per name; ``specs``: their header's initializers), and the file
-        removed durably before the pool can change (see the module: a crash must come back to
-        no file). A damaged file is not an error -- it only says which rows need no read -- it
-        is dropped, and :attr:`note` says why."""
+    def load(cls, storage_dir: Path, pool_id: str, tables: dict[str, int], specs: dict[str, InitSpec], *,
+             remove: bool = True) -> "FreshRows":
+        """An open: the bitmaps the last clean close left, for the tables that still match
+        (``tables``: rows per name; ``specs``: their header's initializers); with ``remove`` (a
+        writer's open) the file removed durably before the pool can change (see the module: a
+        crash must come back to no file). A damaged file is not an error -- it only says which
+        rows need no read -- it is dropped (a writer's open), and :attr:`note` says why."""
         out = cls()
         path = Path(storage_dir) / FRESH_FILE
         try:
@@ -238,6 +239,8 @@ class FreshRows:
         except (ValueError, KeyError, TypeError, struct.error) as e:
             out = cls()
             out.note = f"{path.name} not used ({e}): every row is read from its home until the next clean close"
+        if not remove:  # (a reader: the file stays the writer's to take)
+            return out
         # Removed, and the removal durable, before the caller may change a row: else a crash
         # (or a power loss undoing the unlink) would bring back bits for rows trained since.
         fileio.unlink(path, missing_ok=True)

@@ -73,11 +73,12 @@ class TableSet(Mapping):
         """Attach the tables of an existing pool (their files must exist); none without ``rows``.
         ``inits``: the header's initializer of each table."""
         self._rows, self._pool_id, self.inits = rows, pool_id, dict(inits or {})
-        if rows and not self._read_only and self._tier.has_files:
-            # (before anything can change a row: FreshRows.load removes its file durably)
+        if rows and self._tier.has_files:
+            # (a writer's: before anything can change a row, FreshRows.load removes its file durably)
             specs = {n: InitSpec.from_dict(d) for n, d in self.inits.items()}
             self.fresh = FreshRows.load(self._storage_dir, pool_id, {c.name: c.num_embeddings for c in cfgs},
-                                        {n: sp for n, sp in specs.items() if sp is not None})
+                                        {n: sp for n, sp in specs.items() if sp is not None},
+                                        remove=not self._read_only)
         total = sum(c.nbytes for c in cfgs)
         dram_cache_bytes = self._dram_cache_bytes
         # When the tables of an existing pool do not all fit the DRAM budget, it is split in

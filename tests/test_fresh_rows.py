@@ -151,3 +151,21 @@ def test_a_writer_killed_leaves_no_bitmap_and_its_trained_rows_are_read(tmp_path
         assert arena.stats.rows_created == 0
     finally:
         pool.close()
+
+
+def test_inspect_reports_the_rows_never_trained_and_leaves_the_file_to_the_writer(cli, tmp_path):
+    pool = tmp_path / "p"
+    flags = ["--preset", "tiny", "--tier", "pmem", "--threads", "1", "--no-progress", "--dram-cache", "150K"]
+    res = cli.run(["train", "--pool", pool, *flags, "--steps", 6])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (pool / FRESH_FILE).exists()
+    with MemoryPool.open(pool, read_only=True) as ro:
+        names = [n for n in ro.tables() if not n.endswith(".adagrad")]   # (the embedding tables)
+        left = sum(ro.fresh.count(n) for n in names)
+        total = sum(ro.table(n).num_embeddings for n in names)
+    assert 0 < left < total
+    out = cli.run(["inspect", "--pool", pool, "--no-digest"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"rows known never trained: {left:,} of {total:,} (a DRAM cache creates" in out.stdout, out.stdout
+    assert (pool / FRESH_FILE).exists()   # (a reader's open takes nothing)
+
