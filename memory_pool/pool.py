@@ -354,7 +354,7 @@ class MemoryPool:
             "tables": self._tables.describe(),
             "meta": self.meta,
             "overlay": self._compaction.overlay.describe() if self._compaction.overlay is not None else None,
-            "fresh_rows": {n: self.fresh.count(n) for n in self.tables() if self.fresh.count(n)},
+            "fresh_rows": {n: c for n in self.tables() if (c := self.fresh.count(n))},
         }
 
     # -- changes
