@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from . import fileio
-from .durable import atomic_write, fsync_dir
+from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc
 from .initializers import INIT_VERSION, uniform_rows
 
 __all__ = ["FRESH_FILE", "InitSpec", "FreshGroup", "FreshRows"]
@@ -198,7 +198,7 @@ class FreshRows:
         path = Path(storage_dir) / FRESH_FILE
         if not tables:
             return False
-        doc = json.dumps({"pool_id": pool_id, "tables": tables}, sort_keys=True).encode()
+        doc = json_with_crc({"pool_id": pool_id, "tables": tables})  # (the header's own checksummed JSON)
         try:
             atomic_write(path, _HEAD.pack(_MAGIC, len(doc)) + doc + b"".join(blobs))
         except OSError:
@@ -224,6 +224,8 @@ class FreshRows:
             if magic != _MAGIC:
                 raise ValueError("wrong magic")
             doc = json.loads(raw[_HEAD.size:_HEAD.size + n])
+            if not json_crc_ok(doc):
+                raise ValueError("its table list is damaged")
             if doc.get("pool_id") != pool_id:
                 raise ValueError(f"written for pool {doc.get('pool_id')!r}")
             off = _HEAD.size + n

@@ -169,3 +169,15 @@ def test_inspect_reports_the_rows_never_trained_and_leaves_the_file_to_the_write
     assert f"rows known never trained: {left:,} of {total:,} (a DRAM cache creates" in out.stdout, out.stdout
     assert (pool / FRESH_FILE).exists()   # (a reader's open takes nothing)
 
+
+
+def test_a_bitmap_file_whose_table_list_is_damaged_is_dropped_too(tmp_path):
+    """A flipped digit in the JSON part (here a table's row count would still parse) is caught
+    by its checksum, not trusted."""
+    path = make_pool(tmp_path / "p")
+    f = path / FRESH_FILE
+    raw = f.read_bytes()
+    at = raw.index(b'"seed": 5')
+    f.write_bytes(raw[:at] + b'"seed": 6' + raw[at + 9:])
+    with MemoryPool.open(path) as pool:
+        assert pool.fresh.count("t") == 0 and "damaged" in pool.fresh.note
