@@ -269,9 +269,9 @@ def test_crash_at_every_phase_then_recover_and_resume_is_bit_exact(cli, root, re
 # --------------------------------------------------------------------------- 2. killed from outside
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root, ref_at, tier):
-    pool = root / f"external-{tier}"
+def _kill_from_outside_under_way(cli, pool: Path, tier: str, attempt: int) -> dict:
+    """Run ``train`` in a fresh process, SIGKILL it once a step after 0 is committed (a random
+    short moment later), recover: the recovery report."""
     cmd = torture.cli_cmd("train", "--pool", pool, *flags(tier), "--steps", N_EXT)
     run = torture._Train(cmd)   # a fresh `python -m dlrm_cxl` process
     try:
@@ -285,14 +285,26 @@ def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root,
             except Exception:  # the journal is being appended to: be tolerant while polling
                 pass
             time.sleep(0.005)
-        time.sleep(random.Random(f"external-{tier}").uniform(0.0, 0.1))
+        time.sleep(random.Random(f"external-{tier}-{attempt}").uniform(0.0, 0.1))
     finally:
         run.proc.send_signal(signal.SIGKILL)
         run.wait(120)
     assert run.proc.returncode == -signal.SIGKILL, f"the run ended before the kill:\n{run.stdout}"
+    return as_json(cli.run(["recover", "--pool", pool, "--json"]))
 
-    rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
-    c = rep["committed_step"]
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_sigkill_from_outside_while_training_then_resume_is_bit_exact(cli, root, ref_at, tier):
+    # (On a loaded machine -- the suite on every core -- the poll once saw its first commit only
+    # as the run was closing, after its last step: the kill then lands in the close, which the
+    # recovery must also survive bit-exactly; the mid-run kill is tried once more.)
+    for attempt in range(2):
+        pool = root / f"external-{tier}-{attempt}"
+        rep = _kill_from_outside_under_way(cli, pool, tier, attempt)
+        c = rep["committed_step"]
+        assert rep["state_digest"] == ref_at(tier, c)
+        if c < N_EXT:
+            break
     assert 2 <= c < N_EXT, rep
     assert rep["state_digest"] == ref_at(tier, c)
     assert all(s > c for s in rep["rolled_back_steps"])
