@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from memory_pool.overlay import RUNS_DIR
 from memory_pool.residency import page_cache_bytes, pool_memory, process_memory
 
 __all__ = ["DEFAULT_PREFETCH_BATCHES", "cache_report", "validate_prefetch_batches", "check_cache_budget",
@@ -88,8 +89,9 @@ class WorkingCopyBound:
     page cache is reported beside it (README, "Tables larger than DRAM").
 
     Only with ``--checkpoint undo``: without a journal the working copy's changes are nowhere
-    else. The pool keeps no row overlay then (``MemoryPool.bound_working_copy``): compactions
-    write every row home, page-granular.
+    else. The pool keeps a row overlay behind the cache (``MemoryPool.bound_working_copy``):
+    compactions, and so trims, pack the rows alone in their pages into runs instead of writing
+    each into its image page (memory_pool/overlay.py).
     """
 
     MIN_ALLOWANCE = 0.125
@@ -124,8 +126,10 @@ class WorkingCopyBound:
         self._cached = 0           # the images' page cache when last measured
         self._read_at_measure = 0  # _rows_read() then
         self._next_measure = 0.0   # (perf_counter) when to measure it again
-        self.refused = False       # the pool refused a trim (a row overlay): not asked again
-        self._trimmed = False      # a trim since the trainer was built (refreshes need one first)
+        self.refused = False       # the pool refused a trim (not a journaled tier): not asked again
+        # A trim since the trainer was built: refreshes need one first where the open replayed
+        # journal rows into the working copy, which nothing else lists (none: not needed)
+        self._trimmed = pool.stats.journal_rows_at_open == 0
         pool.bound_working_copy(self.names)
 
     def _rows_read(self) -> int:
@@ -137,7 +141,8 @@ class WorkingCopyBound:
     def _image_cache(self) -> int:
         now = time.perf_counter()
         if now >= self._next_measure:
-            self._cached = page_cache_bytes(self.images)
+            # (the row overlay's runs too: rows taken from them fault their pages in)
+            self._cached = page_cache_bytes(self.images + sorted((self.pool.storage_dir / RUNS_DIR).glob("run-*.bin")))
             self._read_at_measure = self._rows_read()
             self._next_measure = now + self.MEASURE_EVERY * (time.perf_counter() - now)
         return self._cached + self.PAGE * (self._rows_read() - self._read_at_measure)
@@ -161,12 +166,12 @@ class WorkingCopyBound:
         into the working copy meanwhile; and with the checkpointer drained, except for a
         refresh with nothing to write):
 
-        * a **trim** (``MemoryPool.trim_working_copy``): every committed journal row written into
-          the images, which are mapped afresh; every cache slot is clean then. Where dirty slots
-          pass :data:`CLEAN_AT_DIRTY`, the first time (an open's replay wrote rows into the
-          working copy that nothing lists), or while an on-demand replay is pending. Costs a
-          read of every image page the journal's rows fall in that is not cached: seconds on
-          `kaggle` behind a quarter budget (README);
+        * a **trim** (``MemoryPool.trim_working_copy``): every committed journal row written
+          home -- with the pool's row overlay (the default behind a cache), by a compaction:
+          the dense pages into the images, the rest packed into a run -- and the images mapped
+          afresh; every cache slot is clean then. Where dirty slots pass :data:`CLEAN_AT_DIRTY`,
+          the first time if the open replayed journal rows into the working copy (nothing lists
+          them), or while an on-demand replay of the journal is pending;
         * else a **refresh** (``MemoryPool.trim_working_copy(names, written)``): only the rows the cache
           wrote into the working copy since (``CacheArena.take_spilled``) go into the images, then
           they are mapped afresh: the clean pages the misses read are given back, for the cost
@@ -179,7 +184,7 @@ class WorkingCopyBound:
         if grown <= self.allowance and not dirty:
             return False
         t0 = time.perf_counter()
-        full = dirty or self.arena is None or not self._trimmed or self.pool.rows_pending
+        full = dirty or self.arena is None or not self._trimmed or self.pool.journal_rows_pending
         done = taken = None
         if not full:
             # Nothing written into the working copy since it was last given back (no dirty row

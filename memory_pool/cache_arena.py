@@ -461,6 +461,10 @@ class CacheArena:
         g = self.groups[gi]
         rows, order = torch.sort(rows)  # (ascending addresses in the home)
         slots = slots[order]
+        if self._ready is not None:
+            # (a row a refresh made pending again -- its copy from a run given back -- is taken
+            # first: else a later read would take the run's older value over this one)
+            self._ready(gi, rows)
         self._spilled[gi].append(rows)
         for h, s in zip(g.homes, g.slots):
             h.index_copy_(0, rows, s.index_select(0, slots))

@@ -85,9 +85,6 @@ class Compaction:
         # apply, wrote it there); those above are only in the journal (and this process).
         self._applied = max(self.since, journal.start_seq)
         self._unsynced: set[str] = set()   # tables written back since their last fdatasync
-        # Set by MemoryPool.bound_working_copy: no row overlay, so that trim() can map the
-        # images afresh (a row whose newest value is in a run only would read back old).
-        self.no_overlay = False
         self._bounded: set[str] = set()    # tables behind a DRAM cache (bound): see _write_back
         if self.since > journal.start_seq:
             # Trusting the mark means trusting rows that an earlier process wrote into the
@@ -229,9 +226,10 @@ class Compaction:
         an ``overlay``: all of them, which it writes home or keeps in its new run)."""
         since = self._applied if overlay is None else 0
         pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
-        # (a refresh's entry matters while records below it may still be written back. Never
-        # with an overlay, which refresh() refuses: a run's older value of a refreshed row would
-        # need the tombstone that only the skipped record gives it.)
+        # (a refresh's entry matters while records below it may still be written back: apply
+        # passes, which write record after record. A compaction through an overlay writes each
+        # row's newest record, never older than what a refresh wrote, and tombstones the runs'
+        # older values of every row it writes home: Overlay.absorb.)
         self._refreshed = [e for e in self._refreshed if e[0] > self.journal.start_seq]
         if pending:
             written = absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
@@ -254,23 +252,26 @@ class Compaction:
 
     @property
     def overlay_bound(self) -> int:
-        """Bytes of runs the row overlay keeps (memory_pool/overlay.py); 0: no overlay."""
-        if self.no_overlay:
-            return 0
+        """Bytes of runs the row overlay keeps (memory_pool/overlay.py); 0: no overlay. A pool
+        with tables behind a DRAM cache keeps one whatever its size (see :meth:`bound`)."""
         env = env_mib("DLRM_CXL_RUNS_MB")
         if env is not None:
             return env
         used = sum(t.config.nbytes for t in self._tables.values())
-        return DEFAULT_BOUND if self._journaled and used > OVERLAY_FROM_BYTES else 0
+        return DEFAULT_BOUND if self._journaled and (used > OVERLAY_FROM_BYTES or self._bounded) else 0
 
     def bound(self, regions) -> None:
         """``regions`` (tables behind a DRAM cache) are read a few rows at a time: no readahead
-        (``FileRegion.read_randomly``); and from now on no row overlay, so that :meth:`trim`
-        can work (a compaction then writes every row home, page-granular)."""
+        (``FileRegion.read_randomly``). From now on the pool keeps a row overlay (unless
+        ``DLRM_CXL_RUNS_MB=0``): a home larger than DRAM is mostly pages not cached, and a row
+        written back in place costs a read and a write of its page (on `kaggle` behind a
+        quarter budget the write-back passes took 8.4 s of CPU in 240 steps, and a trim 4 s);
+        in a run it costs its bytes, written in order. :meth:`trim` and :meth:`refresh` work
+        with it: what they give back of a run's rows is read from the run again
+        (``Overlay.repend``)."""
         for r in regions:
             r.read_randomly()
         self._bounded |= {n for n, t in self._tables.items() if any(t.region is r for r in regions)}
-        self.no_overlay = True
 
     def trim(self, regions) -> bool:
         """Give back what this process holds of ``regions`` on a journaled tier: the working
@@ -283,11 +284,21 @@ class Compaction:
         flight -- the checkpointer drained -- so that every change of the working copy is in a
         committed transaction: the fresh mappings then read the same values (a reader on another
         thread, the DRAM cache's prefetch, reads the same bytes before and after). False, and
-        nothing done, with a row overlay (a row whose newest value is in a run only, not in its
-        image, would read back old: see :meth:`bound`)."""
+        nothing done, on a tier that is not journaled.
+
+        With a row overlay (:meth:`bound`) the committed rows go where a compaction puts them
+        -- the dense pages home, the other rows into a packed run -- not each into its image
+        page: a compaction runs inline (the journal's START then follows every committed row),
+        then the images are mapped afresh and the rows whose newest value is a run's are pending
+        again (:meth:`_given_back`)."""
         self.wait()
-        if not self._journaled or self.overlay is not None:
+        if not self._journaled:
             return False
+        if self.overlay is not None or self.overlay_bound:
+            self.compact(wait=True)
+            self._given_back(regions, remap=True)
+            self.stats.trims += 1
+            return True
         # Rows an on-demand replay has not applied yet: into the working copy now, so that none
         # is applied later over a value a step wrote after the trim (the pass below writes them
         # into the images too, as every journal row above the applied position).
@@ -305,7 +316,9 @@ class Compaction:
         ``written`` names, on a journaled tier, without the :meth:`trim`'s pass over the journal:
         ``written[name]`` (sorted rows) must be every row of the table written into the working copy since it
         was last mapped afresh (a DRAM cache's dirty rows evicted, the pool's own writes:
-        ``CacheArena.take_spilled``). Those rows are written into the image's page cache
+        ``CacheArena.take_spilled``). With a row overlay, those rows' run values stop counting
+        in this process (``Overlay.forget_home``) and the rest of the runs' rows given back are
+        pending again (:meth:`_given_back`). Those rows are written into the image's page cache
         (unsynced; the next compaction syncs the image), then the image is mapped afresh and its
         clean pages dropped. Every other row of the working copy is the image's own.
 
@@ -313,24 +326,22 @@ class Compaction:
         drained -- the rows written are then committed values (an uncommitted one in an image's
         page cache would outlive a crash of the trainer where the journal's replay does not
         overwrite it) -- and only after a :meth:`trim` since the pool was opened: an open's replay
-        writes the journal's rows into the working copy, and nothing lists them. False, nothing
-        done, where :meth:`trim` would refuse.
+        writes the journal's rows into the working copy, and nothing lists them (unless it
+        replayed none: ``PoolStats.journal_rows_at_open``). False, nothing done, where
+        :meth:`trim` would refuse.
 
         With nothing written (every ``written[name]`` empty) the checkpointer need not be
         drained: no row goes into an image, every page of the working copy is the image's own,
         so its pages are dropped where they are (``FileRegion.trim(remap=False)``), and neither
         the mapping a write-back stores through nor a running compaction is touched or waited
         for (``WorkingCopyBound.after_commit``: the trainer's wait at such recovery points)."""
-        if not self._journaled or self.overlay is not None:
+        if not self._journaled:
             return False
         if not any(ids.numel() for ids in written.values()):
-            for name in written:
-                self._tables[name].region.trim(remap=False)
+            self._given_back([self._tables[name].region for name in written], remap=False)
             self.stats.refreshes += 1
             return True
         self.wait()
-        if not self._journaled or self.overlay is not None:
-            return False
         # The rows written hold their newest committed value (CacheArena.take_spilled leaves
         # out those a DRAM cache holds newer): every record below this sequence number is
         # older. A later write-back pass of such records must not put an older value back
@@ -348,9 +359,35 @@ class Compaction:
                     self.stats.bytes_written_back += r.write_back(ids, raw)
                     self.stats.pages_prefetched += r.pages_prefetched - asked
                     self._unsynced.add(name)
-                r.trim()
+                    if self.overlay is not None:
+                        # (the image holds their newest values now, not a run: the next
+                        # compaction tombstones the runs' older ones, Overlay.absorb)
+                        self.overlay.forget_home(name, ids)
+            self._given_back([self._tables[name].region for name in written], remap=True)
         self.stats.refreshes += 1
         return True
+
+    def _given_back(self, regions, *, remap: bool) -> None:
+        """``FileRegion.trim`` of ``regions``; with a row overlay, the rows of theirs whose
+        newest value is a run's are pending again (``Overlay.repend``: their copies in the
+        working copy are gone), and the runs' pages are dropped (counted in the budget)."""
+        ov = self.overlay
+        ids = {id(r) for r in regions}
+        names = [n for n, t in self._tables.items() if id(t.region) in ids]
+        taken = ov.taken(names) if ov is not None else set()
+        for r in regions:
+            r.trim(remap=remap)
+        if ov is not None:
+            if not remap:
+                # A row taken from a run went into a copy-on-write page, and the image's page
+                # under it, read by that fault, is cached but no longer mapped: MADV_PAGEOUT
+                # (FileRegion.trim) cannot reclaim it, only a drop from the file can.
+                for n in taken:
+                    r = self._tables[n].region
+                    if not r.keep_cached:
+                        r.drop_cache()
+            ov.repend(names)
+            ov.drop_cache()
 
     def _compaction_overlay(self) -> Overlay | None:
         """The overlay a compaction writes through: the pool's, or a new one when the pool

@@ -55,12 +55,28 @@ Opening applies the runs' rows to the working copy like the journal's (``replay`
 demand -- a row is copied in when it is first read (:meth:`Overlay.take`), as
 :mod:`memory_pool.ondemand` does for the journal's rows, which are newer and so take precedence:
 a row the journal holds is never taken from a run.
+
+Behind a DRAM cache (``Compaction.bound``; tables larger than the DRAM budget) the pool keeps an
+overlay whatever its size: there the working copy is given back at recovery points (mapped afresh
+over the images, or its pages dropped: ``Compaction.trim``, ``refresh``), and a trim writes every
+committed row home first -- in place, a read and a write of a 4 KiB page per 256-byte row of a
+home far larger than the page cache; through the overlay, a compaction: the rows packed into a
+run, sequential writes, no read. Three rules keep every row right:
+
+* **given back, pending again** (:meth:`repend`): a run's row copied into the working copy is
+  gone with it, so every row whose newest value is a run's is pending again, and the next read
+  takes it from its run (:meth:`take` reads any run, not only those the open mapped);
+* **written home, out of the runs** (:meth:`forget_home`): a refresh writes the cache's evicted
+  dirty rows into the images; their run values stop counting in this process, and the next
+  compaction tombstones the runs' older values of every row it writes home (:meth:`absorb`) --
+  the journal holds their newer values until then, which a reopen replays over the runs;
+* **evicted dirty, taken first** (``CacheArena._write_back_slots``): a pending row is taken before
+  a slot's newer value is written over it, or a later read would take the run's older one.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +86,8 @@ from .arena import PAGE, Arena
 from . import fileio
 from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc, parse_json_object
 from .errors import PoolCorruptError
-from .runfile import BLOCK, HEAD, Run, RunCorruptError, write_run
+from .overlay_compaction import DENSE_FRACTION, MAX_RUNS, NEW, OverlayCompaction, Plan
+from .runfile import BLOCK, Run, RunCorruptError, write_run
 
 __all__ = ["Overlay", "Run", "RunCorruptError", "write_run", "RUNS_DIR", "MANIFEST", "DEFAULT_BOUND",
            "DENSE_FRACTION"]
@@ -78,28 +95,13 @@ __all__ = ["Overlay", "Run", "RunCorruptError", "write_run", "RUNS_DIR", "MANIFE
 RUNS_DIR = "runs"
 MANIFEST = "MANIFEST"
 DEFAULT_BOUND = 2 << 30           # bytes of runs kept (the model: 2 GiB reach WA 1.43 on kaggle; 1 GiB do not)
-DENSE_FRACTION = 0.25             # a page with at least this much of it changed is written home in place
-EVICT_FRACTION = 0.75             # carried rows past this much of the bound go home instead of moving on
-NEW = 127                         # ``where`` of a row going into the run being written (no run's slot)
-MAX_RUNS = NEW - 1                # slots 1..126 (``where`` is int8: half the memory an open writes)
 
 
-@dataclass
-class _Plan:
-    """A compaction in the making (see :meth:`Overlay.absorb`)."""
-
-    gen: int
-    tables: dict = field(default_factory=dict)   # name -> [row bytes, ids, rows, tombs]
-    cleaned: list = field(default_factory=list)  # runs this compaction drops
-    written_home: int = 0                        # bytes written in place
-    home_tables: set = field(default_factory=set)  # tables written in place (to be synced)
-    run: Run | None = None
-
-
-class Overlay:
+class Overlay(OverlayCompaction):
     """The row overlay of one pool (see the module docstring): its runs, ``where`` (the newest run
     value of every row), the rows an open has not applied to the working copy yet, and the
-    compaction's part. ``regions``: the pool's table regions by name (set by :meth:`attach`).
+    compaction's part (:class:`~memory_pool.overlay_compaction.OverlayCompaction`).
+    ``regions``: the pool's table regions by name (set by :meth:`attach`).
     Thread-safe: the trainer, the journal writer and the compactor may take rows while a
     compaction runs; one lock guards ``where``, the pending rows and the list of runs."""
 
@@ -116,11 +118,13 @@ class Overlay:
         self.regions: dict = {}
         self._lock = threading.RLock()
         self._free_slots = list(range(NEW - 1, 0, -1))
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self.broken: str | None = None
         self._window: Arena | None = None
         self._open_runs: list[Run] = []
         self._sources: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # table -> (pending rows, window offsets)
+        self._win = torch.zeros(NEW + 1, dtype=torch.bool)   # slot -> it names a run mapped in the window
+        self._positive: set[str] = set()   # tables that may hold entries > 0 (see repend)
         self._strided: dict[int, torch.Tensor] = {}
         mpath = self.dir / MANIFEST
         if mpath.exists():
@@ -144,6 +148,7 @@ class Overlay:
                         raise RunCorruptError(f"run {run.path}: generation {run.gen} / {run.nbytes} bytes, the "
                                               f"manifest says {r['gen']} / {r['bytes']}")
                     run.slot = self._free_slots.pop()
+                    self._win[run.slot] = run.window is not None
                     self.runs.append(run)
                 self._open_runs = list(self.runs)
                 # One "verified" array over every block of the open's runs (each run's own is a view
@@ -202,6 +207,7 @@ class Overlay:
             j = journal_rows.get(name)
             if j is not None and j.numel():
                 w[j] = w[j].abs()        # the journal's value is newer: memory_pool.ondemand applies it
+                self._positive.add(name)
         self.pending_rows = sum(int(torch.count_nonzero(w < 0)) for w in self.where.values())
 
     def _where(self, name: str) -> torch.Tensor:
@@ -238,16 +244,19 @@ class Overlay:
         """Copy the pending rows of table ``name`` among ``ids`` (None: all of them, ``chunk`` at
         a time) into the working copy. Returns the rows copied.
 
-        Pending rows are always values of the runs the open found (a compaction takes the
-        pending rows it writes home or moves into a new run first), which lie side by side in
+        Rows pending since the open are values of the runs it found, which lie side by side in
         one window: they are gathered with one ``index_select`` whatever run each is in (one
         per run cost ~20 us x 20 runs x 52 tables a step on `kaggle`), from offsets found once
-        per table (:meth:`_source`)."""
+        per table (:meth:`_source`). Rows made pending again by :meth:`repend` may be in a run
+        written since, read from it (:meth:`_values`)."""
         w = self.where.get(name)
         if w is None or not self.pending_rows:
             return 0
         if ids is not None:
-            ids = ids[w[ids] < 0]   # a first look without the lock: a row is only ever made not pending
+            # (a first look without the lock: a row is made not pending by takes, and pending
+            # again only by repend, which runs while nothing reads the tables -- at a recovery
+            # point, the DRAM cache paused)
+            ids = ids[w[ids] < 0]
             if not ids.numel():
                 return 0
         n = 0
@@ -258,24 +267,54 @@ class Overlay:
             region = self.regions[name]
             rb = region.row_bytes
             rows = region.tensor.view(torch.uint8).view(region.rows, rb)
-            prow, poff = self._source(name)
             for a in range(0, hit.numel(), chunk):
                 part = hit[a:a + chunk]
-                src = poff[torch.searchsorted(prow, part)]
-                self._verify_window(src, rb)
-                rows.index_copy_(0, part, self._window_rows(rb).index_select(0, src))
+                rows.index_copy_(0, part, self._values(name, part, rb))
                 w[part] = -w[part]
                 self.pending_rows -= part.numel()
                 n += part.numel()
+            self._positive.add(name)
         return n
 
+    def _values(self, name: str, part: torch.Tensor, rb: int) -> torch.Tensor:
+        """The run values of pending rows ``part`` (sorted) of table ``name``, ``[n, rb]``."""
+        slots = (-self.where[name][part]).to(torch.int64)
+        prow, poff = self._source(name)
+        if prow.numel():
+            pos = torch.searchsorted(prow, part).clamp_(max=prow.numel() - 1)
+            # (found where the open left it, and its slot still names that window run: a slot
+            # of a run cleaned since may name a newer run now)
+            win = (prow[pos] == part) & self._win[slots]
+        else:
+            pos, win = None, torch.zeros(part.numel(), dtype=torch.bool)
+        if bool(win.all()):
+            src = poff[pos]
+            self._verify_window(src, rb)
+            return self._window_rows(rb).index_select(0, src)
+        out = torch.empty(part.numel(), rb, dtype=torch.uint8)
+        if bool(win.any()):
+            src = poff[pos[win]]
+            self._verify_window(src, rb)
+            out[win] = self._window_rows(rb).index_select(0, src)
+        rest = (~win).nonzero().flatten()
+        rslots = slots[rest]
+        for s in torch.unique(rslots).tolist():
+            sel = rest[rslots == s]
+            out[sel] = self._run(s).rows(name, part[sel])
+        return out
+
     def _source(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Table ``name``'s pending rows (sorted) and the window offset of each one's value."""
+        """Table ``name``'s rows pending from a run of the open's window (sorted), and the
+        window offset of each one's value. Found once: a row only ever moves on to a newer run
+        (none of which is in the window), so an entry found here stays right for as long as
+        the row's slot still names a window run (``_values`` checks)."""
         got = self._sources.get(name)
         if got is None:
             w = self.where[name]
             rows = (w < 0).nonzero().flatten()
             slots = -w[rows].to(torch.int64)
+            keep = self._win[slots]
+            rows, slots = rows[keep], slots[keep]
             offs = torch.empty(rows.numel(), dtype=torch.int64)
             for s in torch.unique(slots).tolist():
                 run = self._run(s)
@@ -284,6 +323,61 @@ class Overlay:
                 offs[sel] = run.wbase + t.start + torch.searchsorted(t.ids, rows[sel]) * t.row_bytes
             got = self._sources[name] = (rows, offs)
         return got
+
+    def repend(self, names) -> int:
+        """The working copy of tables ``names`` was given back (mapped afresh over the images,
+        or its pages dropped: a DRAM cache's trim or refresh, ``Compaction.trim``): the rows
+        whose newest value is a run's were copied into it and are now read from the image
+        again, which does not hold them. They are pending again -- the next read of such a row
+        takes it from its run (:meth:`take`). Rows of the run a compaction is writing (``NEW``)
+        are left alone: they are the journal's rows since its START, whose newest values are
+        in a DRAM cache's dirty slots or were written home by a refresh. Returns the rows.
+
+        Call order: only where nothing reads the tables (the cache paused, no step running),
+        and only once no row's newest value is the journal's from before the open (the
+        caller's first trim compacts those: ``WorkingCopyBound``)."""
+        n = 0
+        with self._lock:
+            for name in names:
+                w = self.where.get(name)
+                if w is None or name not in self._positive:
+                    continue
+                pos = w > 0
+                new = w == NEW
+                if bool(new.any()):
+                    pos &= ~new
+                else:
+                    self._positive.discard(name)
+                idx = pos.nonzero().flatten()
+                w[idx] = -w[idx]
+                n += idx.numel()
+            self.pending_rows += n
+        return n
+
+    def taken(self, names) -> set:
+        """Those of tables ``names`` that may have rows copied in from a run since their last
+        :meth:`repend`."""
+        with self._lock:
+            return {n for n in names if n in self._positive}
+
+    def forget_home(self, name: str, rows: torch.Tensor) -> None:
+        """Rows ``rows`` of table ``name`` were written into its image (a refresh), newer than
+        or equal to any run's value of them: no run value of theirs counts in this process any
+        more. On disk an older run's value still does, until the journal's newer record reaches
+        a compaction, which tombstones it (:meth:`absorb` tombstones every row it writes home)."""
+        w = self.where.get(name)
+        if w is None or not rows.numel():
+            return
+        with self._lock:
+            self.pending_rows -= int(torch.count_nonzero(w[rows] < 0))
+            w[rows] = 0
+
+    def drop_cache(self) -> None:
+        """Drop the runs' pages from this process and the page cache (``Run.drop_cache``): a
+        DRAM cache's budget counts them (rows taken from runs fault their pages in)."""
+        with self._lock:
+            for r in self.runs:
+                r.drop_cache()
 
     def _window_rows(self, rb: int) -> torch.Tensor:
         # (the window's rows at every byte offset: Arena.rows_at_every_offset, kept per row size)
@@ -352,200 +446,6 @@ class Overlay:
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.dir / MANIFEST, json_with_crc(doc))  # (tmp, fsync, rename, fsync dir)
 
-    # -- compaction (the compactor's thread; see the module docstring for the order)
-    def begin(self) -> None:
-        if self.broken:
-            raise RuntimeError(f"the row overlay is unusable after an error ({self.broken}): reopen the pool")
-        self._plan = _Plan(self.next_gen)
-
-    def absorb(self, name: str, ids: torch.Tensor, raw: torch.Tensor, *, dense: float = DENSE_FRACTION) -> None:
-        """A compaction's newest values of table ``name`` (``ids`` sorted and distinct, ``raw``
-        their rows): the pages where at least ``dense`` of the bytes changed -- carried rows
-        counted in -- go home in place (their carried rows with them, from their runs); every
-        other row goes into the new run."""
-        plan, region = self._plan, self.regions[name]
-        rb = region.row_bytes
-        per = PAGE // rb
-        w = self.where.get(name)
-        if w is not None:
-            # The window's rows and the carried ones, sorted: one pass over the table (a mask),
-            # not a sort of their union (on `kaggle` ~1 M carried rows a table).
-            mask = w != 0
-            mask.index_fill_(0, ids, True)
-            rows = mask.nonzero().flatten()
-            del mask
-        else:
-            rows = ids
-        if per < 2:
-            home = rows
-        else:
-            page = rows // per
-            cnt = torch.bincount(page, minlength=int(page[-1]) + 1 if page.numel() else 0)
-            home = rows[(cnt * rb >= dense * PAGE)[page]]
-        in_window = _isin_sorted(home, ids)
-        values = torch.empty(home.numel(), rb, dtype=torch.uint8)
-        if in_window.any():
-            values[in_window] = raw[torch.searchsorted(ids, home[in_window])]
-        if (~in_window).any():
-            values[~in_window] = self.run_values(name, home[~in_window])
-        # A carried row that no step has read since the open is copied into the working copy
-        # first: once it is written home and its run value no longer counts, a working-copy page
-        # copied before would keep the image's old value of it.
-        self.take(name, home)
-        plan.written_home += region.write_back(home, values)
-        if home.numel():
-            plan.home_tables.add(name)
-        tombs = home[w[home] != 0] if w is not None and home.numel() else torch.empty(0, dtype=torch.int64)
-        keep = ~_isin_sorted(ids, home)
-        entries = ids[keep]
-        with self._lock:
-            if w is not None:
-                w[home] = 0
-            if entries.numel():
-                # (a window row is never pending: it was read before it was written, or the
-                # journal held it at the open)
-                self._where(name)[entries] = NEW   # its slot is given when the run is written
-        plan.tables[name] = [rb, entries, raw[keep], tombs]
-
-    def clean(self, bound: int) -> None:
-        """First in, first out: drop the oldest runs while the runs (the new one counted in)
-        hold more than ``bound`` bytes. Their still-newest rows move into the new run, or go
-        home in place when the carried rows alone hold more than 3/4 of the bound (or when
-        ``bound`` is 0: the overlay is being emptied)."""
-        plan = self._plan
-
-        def new_bytes():
-            return sum(HEAD.size + (t[1].numel() * (t[0] + 8)) + 8 * t[3].numel() for t in plan.tables.values())
-
-        total = self.run_bytes + new_bytes()
-        carried = sum(int(torch.count_nonzero(w)) * (self.regions[n].row_bytes + 8) for n, w in self.where.items())
-        evict = bound == 0 or carried > EVICT_FRACTION * bound
-        for run in list(self.runs):
-            # (and while no slot would be left for the new run: at most MAX_RUNS live runs)
-            if total <= bound and len(self.runs) - len(plan.cleaned) < MAX_RUNS:
-                break
-            for name, t in run.tables.items():
-                w = self.where.get(name)
-                if w is None or not self._counts(run, name) or not t.ids.numel():
-                    continue
-                live = t.ids[w[t.ids].abs() == run.slot]
-                if not live.numel():
-                    continue
-                # (pending rows into the working copy first: a pending row's value is always in
-                # one of the runs the open found, where take() finds it)
-                self.take(name, live)
-                vals = run.rows(name, live)
-                if evict:
-                    # (the oldest run: no older run holds these rows, so no tombstone is needed)
-                    plan.written_home += self.regions[name].write_back(live, vals)
-                    plan.home_tables.add(name)
-                    with self._lock:
-                        w[live] = 0
-                else:
-                    cur = plan.tables.setdefault(name, [t.row_bytes, torch.empty(0, dtype=torch.int64),
-                                                        torch.empty(0, t.row_bytes, dtype=torch.uint8),
-                                                        torch.empty(0, dtype=torch.int64)])
-                    ids = torch.cat([cur[1], live])
-                    order = torch.argsort(ids)
-                    cur[1], cur[2] = ids[order], torch.cat([cur[2], vals])[order]
-            plan.cleaned.append(run)
-            total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
-
-    def write(self) -> int:
-        """Write the new run (if it holds anything), durably; give it its slot. Returns its bytes."""
-        plan = self._plan
-        # A tombstone only has to hide a row's value in a run that outlives this compaction.
-        surviving = [r for r in self.runs if r not in plan.cleaned]
-        for name, t in plan.tables.items():
-            if t[3].numel():
-                held = torch.zeros(t[3].numel(), dtype=torch.bool)
-                for r in surviving:
-                    if name in r.tables and self._counts(r, name):
-                        held |= _isin_sorted(t[3], r.tables[name].ids)
-                t[3] = t[3][held]
-        tables = {n: tuple(t) for n, t in plan.tables.items() if t[1].numel() or t[3].numel()}
-        if not tables:
-            return 0
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"run-{plan.gen:016x}.bin"
-        write_run(path, plan.gen, tables)
-        run = Run.open(path)
-        run.verified[:] = True  # (its rows are the ones just written)
-        with self._lock:
-            run.slot = self._new_slot(plan)
-            plan.run = run
-            for name, t in plan.tables.items():
-                w = self.where.get(name)
-                if w is not None and t[1].numel():
-                    # The window's rows (NEW so far) and the moved rows (pending or not, as before).
-                    w[t[1]] = torch.where(w[t[1]] < 0, -run.slot, run.slot).to(torch.int8)
-        return run.nbytes
-
-    def _new_slot(self, plan: _Plan) -> int:
-        """The slot of the run being written: a free one, or else the slot of a run this
-        compaction drops.
-
-        Why the second: with MAX_RUNS live runs every slot is held, and a cleaned run gives its
-        slot back only in :meth:`finish`, after the manifest and the journal -- the 127th
-        compaction failed (IndexError) and left the overlay unusable, and so did every compaction
-        after a reopen, which finds the same MAX_RUNS runs. :meth:`clean` drops at least one run
-        then, and once it has, no entry of ``where`` names a cleaned run any more: its live rows
-        were moved into the new run (their entries become the new run's slot in :meth:`write`)
-        or written home (0). So its slot can name the new run; the cleaned run keeps slot 0
-        (which names no run: :meth:`_run` cannot find it, :meth:`finish` frees nothing for it)
-        until its file goes."""
-        if self._free_slots:
-            return self._free_slots.pop()
-        for r in plan.cleaned:
-            if r.slot:
-                slot, r.slot = r.slot, 0
-                return slot
-        raise RunCorruptError(f"{self.dir}: every one of the {MAX_RUNS} run slots is held and this compaction "
-                              f"drops no run", hint="reopen the pool; if this persists, report it (a bug)")
-
-    @property
-    def tables_home(self) -> set:
-        """The tables this compaction wrote in place (the pool syncs them before :meth:`commit`)."""
-        return set(self._plan.home_tables) if self._plan is not None else set()
-
-    @property
-    def written_home(self) -> int:
-        return self._plan.written_home if self._plan is not None else 0
-
-    @property
-    def changed(self) -> bool:
-        """This compaction wrote a run or drops one: the manifest must say so."""
-        p = self._plan
-        return p is not None and (p.run is not None or bool(p.cleaned))
-
-    def commit(self) -> None:
-        """Replace the manifest: the new run counts, the cleaned ones no longer do."""
-        plan = self._plan
-        with self._lock:
-            runs = [r for r in self.runs if r not in plan.cleaned] + ([plan.run] if plan.run is not None else [])
-            self._write_manifest(runs, plan.gen + 1)
-            self.runs = runs
-            self.next_gen = plan.gen + 1
-
-    def finish(self) -> None:
-        """After the journal dropped the window: delete the cleaned runs' files."""
-        plan, self._plan = self._plan, None
-        if plan is None:
-            return
-        with self._lock:
-            for r in plan.cleaned:
-                r.close()
-                if r.slot:  # (0: its slot went to the new run, _new_slot)
-                    self._free_slots.append(r.slot)
-                fileio.unlink(r.path, missing_ok=True)
-        if plan.cleaned:
-            fsync_dir(self.dir)
-
-    def fail(self, exc: BaseException) -> None:
-        """A compaction failed half way: the overlay in memory no longer matches the files."""
-        self.broken = f"{type(exc).__name__}: {exc}"
-        self._plan = None
-
     def describe(self) -> dict:
         return {"runs": len(self.runs), "bytes": self.run_bytes, "rows": sum(r.entries() for r in self.runs),
                 "rows_pending": self.pending_rows}
@@ -556,11 +456,3 @@ class Overlay:
             r.close()
         self.runs = []
         self._window = None
-
-
-def _isin_sorted(a: torch.Tensor, sorted_b: torch.Tensor) -> torch.Tensor:
-    """``a[i] in sorted_b`` for every i (``sorted_b`` sorted ascending)."""
-    if not sorted_b.numel() or not a.numel():
-        return torch.zeros(a.numel(), dtype=torch.bool)
-    pos = torch.searchsorted(sorted_b, a).clamp_(max=sorted_b.numel() - 1)
-    return sorted_b[pos] == a

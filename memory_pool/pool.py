@@ -159,12 +159,10 @@ class MemoryPool:
         """``Compaction.trim`` for tables ``names`` (at a recovery point, nothing in flight); with
         ``written`` (``{name: rows written into the working copy}``), ``Compaction.refresh``."""
         self._check_writable()
-        regions = [self.table(n).region for n in names]
-        return self.journaled and (self._compaction.trim(regions) if written is None else self._compaction.refresh(written))
+        return self.journaled and (self._compaction.trim([self.table(n).region for n in names]) if written is None
+                                   else self._compaction.refresh(written))
 
-    @property
-    def overlay_bound(self) -> int:  # (bytes of runs the row overlay keeps, memory_pool/overlay.py; 0: none)
-        return self._compaction.overlay_bound
+    overlay_bound = property(lambda self: self._compaction.overlay_bound)  # (bytes of runs the row overlay keeps; 0: none)
 
     def _runs_format(self) -> None:  # (a compaction, before the overlay's first manifest: Compaction.compact)
         if self._header.get("format_version") != RUNS_FORMAT_VERSION:
@@ -215,6 +213,8 @@ class MemoryPool:
         self._tables.fresh.exposed(name)
 
     # -- replay on demand (memory_pool/replay.py, memory_pool/ondemand.py)
+    journal_rows_pending = property(lambda self: self._replayer.journal_rows_pending)  # (of rows_pending: Replayer)
+
     @property
     def rows_pending(self) -> int:
         """Journal (and run) rows an on-demand replay has not applied to the working copy yet."""

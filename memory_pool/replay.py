@@ -81,12 +81,15 @@ class Replayer:
                 # A crash came between a reset marker and the manifest's copy of it: the
                 # copy now, before a compaction can drop the marker.
                 ov.save_manifest()
+        replayed = self.stats.rows_replayed
         if plan and window is not None:
             self._pending = PendingRows(plan, {n: t.region for n, t in self._tables.items()}, window,
                                         on_apply=self._count_replayed)
             self.stats.rows_deferred = self._pending.remaining
         elif plan:
             self._replay(plan)
+        # (rows in the working copy that no list of a DRAM cache's names: WorkingCopyBound's first trim)
+        self.stats.journal_rows_at_open = self.stats.rows_replayed - replayed + self.stats.rows_deferred
         ov = self._compaction.overlay
         if ov is not None:
             if replay == "eager":
@@ -128,6 +131,13 @@ class Replayer:
         return self._compaction.overlay.note_resets(gens)
 
     # -- replay on demand (memory_pool/ondemand.py)
+    @property
+    def journal_rows_pending(self) -> int:
+        """Journal rows an on-demand replay has not applied to the working copy yet (the
+        runs' pending rows left out)."""
+        p = self._pending
+        return p.remaining if p is not None else 0
+
     @property
     def rows_pending(self) -> int:
         """Journal (and run) rows an on-demand replay has not applied to the working copy yet."""

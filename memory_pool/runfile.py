@@ -139,6 +139,18 @@ class Run:
     def entries(self) -> int:
         return sum(t.ids.numel() for t in self.tables.values())
 
+    def drop_cache(self) -> None:
+        """Unmap this run's pages where they are and drop them from the page cache: rows read
+        from it later fault in again (its bytes are durable: nothing is written)."""
+        n = self.data.numel() if self.data is not None else 0
+        if not n:
+            return
+        if self.window is not None:
+            self.window.drop_pages(self.wbase, n)
+        elif self._mm is not None:
+            self._mm.madvise(mmap.MADV_DONTNEED)
+        _fadvise_dontneed(self.path)
+
     def close(self) -> None:
         data, self.data = self.data, None
         if self.window is not None and data is not None:
@@ -238,6 +250,10 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
             head = HEAD.pack(RUN_MAGIC, RUN_VERSION, len(names), gen, ioff, ilen, doff, dlen, BLOCK)
             pwrite_all(fd, head + struct.pack("<I", crc32c_extend(0, head)), 0)
             fileio.fdatasync(fd)
+            # (its pages are clean now: out of the page cache, which a DRAM cache's budget
+            # counts; its rows are read back a page at a time, if ever)
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return doff + dlen
         except OSError as exc:
             raise_if_full(exc, f"writing run {path}")
@@ -252,3 +268,13 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
     finally:
         if fd >= 0:
             fileio.close(fd)
+
+
+def _fadvise_dontneed(path: Path) -> None:
+    """``POSIX_FADV_DONTNEED`` on the whole file at ``path`` (clean pages leave the page cache)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -81,6 +81,7 @@ class PoolStats:
     rows_replayed: int = 0          # journal rows written into the working copy (at the open, or on demand)
     open_seconds: float = 0.0       # the open itself: header, journal scan, replay (eager) or its index (on demand)
     rows_deferred: int = 0          # rows an on-demand replay left to apply when first needed (journal and runs)
+    journal_rows_at_open: int = 0   # journal rows the open replayed or deferred (a DRAM cache's first trim: lookahead)
     run_rows_deferred: int = 0      # of rows_deferred, rows of the row overlay's runs (memory_pool/overlay.py)
     run_rows_replayed: int = 0      # rows of the row overlay's runs written into the working copy
     bytes_to_runs: int = 0          # bytes of run files the row overlay wrote (memory_pool/overlay.py)

@@ -240,6 +240,7 @@ import os, sys, torch
 os.environ["DLRM_CXL_RUNS_MB"] = "64"
 from memory_pool import MemoryPool
 import memory_pool.overlay as O
+import memory_pool.overlay_compaction as OC
 path, phase, saved = sys.argv[1], sys.argv[2], sys.argv[3]
 
 def die_after(obj, name):
@@ -260,7 +261,7 @@ with MemoryPool.open(path) as pool:
     torch.save(a.read(torch.arange(a.num_embeddings)), saved)
     a.write([1], torch.full((1, a.embedding_dim), -5.0))   # never persisted: lost with the process
     if phase == "run-written":
-        die_after(O, "write_run")
+        die_after(OC, "write_run")
     elif phase == "images-synced":
         die_after(pool._compaction, "_sync_images")
     elif phase == "manifest":

@@ -1,0 +1,251 @@
+"""The row overlay's part in a compaction (:class:`OverlayCompaction`, a base of
+:class:`memory_pool.overlay.Overlay`): which of a compaction's rows go home in place and which
+into its new run, the first-in first-out cleaning of old runs, and the new run written and
+committed -- in the order memory_pool/overlay.py's docstring gives. Runs on the compactor's
+thread; the state it works on (``where``, the runs, the lock) is the overlay's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .arena import PAGE
+from . import fileio
+from .durable import fsync_dir
+from .runfile import HEAD, Run, RunCorruptError, write_run
+
+__all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "MAX_RUNS"]
+
+DENSE_FRACTION = 0.25             # a page with at least this much of it changed is written home in place
+EVICT_FRACTION = 0.75             # carried rows past this much of the bound go home instead of moving on
+NEW = 127                         # ``where`` of a row going into the run being written (no run's slot)
+MAX_RUNS = NEW - 1                # slots 1..126 (``where`` is int8: half the memory an open writes)
+
+
+@dataclass
+class Plan:
+    """A compaction in the making (see :meth:`Overlay.absorb`)."""
+
+    gen: int
+    tables: dict = field(default_factory=dict)   # name -> [row bytes, ids, rows, tombs]
+    cleaned: list = field(default_factory=list)  # runs this compaction drops
+    written_home: int = 0                        # bytes written in place
+    home_tables: set = field(default_factory=set)  # tables written in place (to be synced)
+    run: Run | None = None
+
+
+
+class OverlayCompaction:
+    """A compaction's part of :class:`~memory_pool.overlay.Overlay` (see the module)."""
+
+    # -- compaction (the compactor's thread; see the module docstring for the order)
+    def begin(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"the row overlay is unusable after an error ({self.broken}): reopen the pool")
+        self._plan = Plan(self.next_gen)
+
+    def absorb(self, name: str, ids: torch.Tensor, raw: torch.Tensor, *, dense: float = DENSE_FRACTION) -> None:
+        """A compaction's newest values of table ``name`` (``ids`` sorted and distinct, ``raw``
+        their rows): the pages where at least ``dense`` of the bytes changed -- carried rows
+        counted in -- go home in place (their carried rows with them, from their runs); every
+        other row goes into the new run."""
+        plan, region = self._plan, self.regions[name]
+        rb = region.row_bytes
+        per = PAGE // rb
+        w = self.where.get(name)
+        if w is not None:
+            # The window's rows and the carried ones, sorted: one pass over the table (a mask),
+            # not a sort of their union (on `kaggle` ~1 M carried rows a table).
+            mask = w != 0
+            mask.index_fill_(0, ids, True)
+            rows = mask.nonzero().flatten()
+            del mask
+        else:
+            rows = ids
+        if per < 2:
+            home = rows
+        else:
+            page = rows // per
+            cnt = torch.bincount(page, minlength=int(page[-1]) + 1 if page.numel() else 0)
+            home = rows[(cnt * rb >= dense * PAGE)[page]]
+        in_window = _isin_sorted(home, ids)
+        values = torch.empty(home.numel(), rb, dtype=torch.uint8)
+        if in_window.any():
+            values[in_window] = raw[torch.searchsorted(ids, home[in_window])]
+        if (~in_window).any():
+            values[~in_window] = self.run_values(name, home[~in_window])
+        # A carried row that no step has read since the open is copied into the working copy
+        # first: once it is written home and its run value no longer counts, a working-copy page
+        # copied before would keep the image's old value of it.
+        self.take(name, home)
+        plan.written_home += region.write_back(home, values)
+        if home.numel():
+            plan.home_tables.add(name)
+        # (every row written home: a row a refresh wrote home is 0 in ``where`` and may still
+        # have an older value in a run; write() keeps the tombstones a surviving run needs)
+        tombs = home if w is not None and home.numel() else torch.empty(0, dtype=torch.int64)
+        keep = ~_isin_sorted(ids, home)
+        entries = ids[keep]
+        with self._lock:
+            if w is not None:
+                w[home] = 0
+            if entries.numel():
+                # (a window row was read before it was written, or the journal held it at the
+                # open; pending again only if a DRAM cache's refresh made it so (repend) while
+                # a dirty slot held its newer value: not pending any more, it is this run's)
+                we = self._where(name)
+                self.pending_rows -= int(torch.count_nonzero(we[entries] < 0))
+                we[entries] = NEW   # its slot is given when the run is written
+                self._positive.add(name)
+        plan.tables[name] = [rb, entries, raw[keep], tombs]
+
+    def clean(self, bound: int) -> None:
+        """First in, first out: drop the oldest runs while the runs (the new one counted in)
+        hold more than ``bound`` bytes. Their still-newest rows move into the new run, or go
+        home in place when the carried rows alone hold more than 3/4 of the bound (or when
+        ``bound`` is 0: the overlay is being emptied)."""
+        plan = self._plan
+
+        def new_bytes():
+            return sum(HEAD.size + (t[1].numel() * (t[0] + 8)) + 8 * t[3].numel() for t in plan.tables.values())
+
+        total = self.run_bytes + new_bytes()
+        carried = sum(int(torch.count_nonzero(w)) * (self.regions[n].row_bytes + 8) for n, w in self.where.items())
+        evict = bound == 0 or carried > EVICT_FRACTION * bound
+        for run in list(self.runs):
+            # (and while no slot would be left for the new run: at most MAX_RUNS live runs)
+            if total <= bound and len(self.runs) - len(plan.cleaned) < MAX_RUNS:
+                break
+            for name, t in run.tables.items():
+                w = self.where.get(name)
+                if w is None or not self._counts(run, name) or not t.ids.numel():
+                    continue
+                live = t.ids[w[t.ids].abs() == run.slot]
+                if not live.numel():
+                    continue
+                # (pending rows into the working copy first: a pending row's value is always in
+                # one of the runs the open found, where take() finds it)
+                self.take(name, live)
+                vals = run.rows(name, live)
+                if evict:
+                    # (the oldest run: no older run holds these rows, so no tombstone is needed)
+                    plan.written_home += self.regions[name].write_back(live, vals)
+                    plan.home_tables.add(name)
+                    with self._lock:
+                        w[live] = 0
+                else:
+                    cur = plan.tables.setdefault(name, [t.row_bytes, torch.empty(0, dtype=torch.int64),
+                                                        torch.empty(0, t.row_bytes, dtype=torch.uint8),
+                                                        torch.empty(0, dtype=torch.int64)])
+                    ids = torch.cat([cur[1], live])
+                    order = torch.argsort(ids)
+                    cur[1], cur[2] = ids[order], torch.cat([cur[2], vals])[order]
+            plan.cleaned.append(run)
+            total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
+
+    def write(self) -> int:
+        """Write the new run (if it holds anything), durably; give it its slot. Returns its bytes."""
+        plan = self._plan
+        # A tombstone only has to hide a row's value in a run that outlives this compaction.
+        surviving = [r for r in self.runs if r not in plan.cleaned]
+        for name, t in plan.tables.items():
+            if t[3].numel():
+                held = torch.zeros(t[3].numel(), dtype=torch.bool)
+                for r in surviving:
+                    if name in r.tables and self._counts(r, name):
+                        held |= _isin_sorted(t[3], r.tables[name].ids)
+                t[3] = t[3][held]
+        tables = {n: tuple(t) for n, t in plan.tables.items() if t[1].numel() or t[3].numel()}
+        if not tables:
+            return 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"run-{plan.gen:016x}.bin"
+        write_run(path, plan.gen, tables)
+        run = Run.open(path)
+        run.verified[:] = True  # (its rows are the ones just written)
+        with self._lock:
+            run.slot = self._new_slot(plan)
+            plan.run = run
+            for name, t in plan.tables.items():
+                w = self.where.get(name)
+                if w is not None and t[1].numel():
+                    # The window's rows (NEW so far) and the moved rows (pending or not, as before).
+                    w[t[1]] = torch.where(w[t[1]] < 0, -run.slot, run.slot).to(torch.int8)
+                    self._positive.add(name)
+        return run.nbytes
+
+    def _new_slot(self, plan: Plan) -> int:
+        """The slot of the run being written: a free one, or else the slot of a run this
+        compaction drops.
+
+        Why the second: with MAX_RUNS live runs every slot is held, and a cleaned run gives its
+        slot back only in :meth:`finish`, after the manifest and the journal -- the 127th
+        compaction failed (IndexError) and left the overlay unusable, and so did every compaction
+        after a reopen, which finds the same MAX_RUNS runs. :meth:`clean` drops at least one run
+        then, and once it has, no entry of ``where`` names a cleaned run any more: its live rows
+        were moved into the new run (their entries become the new run's slot in :meth:`write`)
+        or written home (0). So its slot can name the new run; the cleaned run keeps slot 0
+        (which names no run: :meth:`_run` cannot find it, :meth:`finish` frees nothing for it)
+        until its file goes."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        for r in plan.cleaned:
+            if r.slot:
+                slot, r.slot = r.slot, 0
+                self._win[slot] = False
+                return slot
+        raise RunCorruptError(f"{self.dir}: every one of the {MAX_RUNS} run slots is held and this compaction "
+                              f"drops no run", hint="reopen the pool; if this persists, report it (a bug)")
+
+    @property
+    def tables_home(self) -> set:
+        """The tables this compaction wrote in place (the pool syncs them before :meth:`commit`)."""
+        return set(self._plan.home_tables) if self._plan is not None else set()
+
+    @property
+    def written_home(self) -> int:
+        return self._plan.written_home if self._plan is not None else 0
+
+    @property
+    def changed(self) -> bool:
+        """This compaction wrote a run or drops one: the manifest must say so."""
+        p = self._plan
+        return p is not None and (p.run is not None or bool(p.cleaned))
+
+    def commit(self) -> None:
+        """Replace the manifest: the new run counts, the cleaned ones no longer do."""
+        plan = self._plan
+        with self._lock:
+            runs = [r for r in self.runs if r not in plan.cleaned] + ([plan.run] if plan.run is not None else [])
+            self._write_manifest(runs, plan.gen + 1)
+            self.runs = runs
+            self.next_gen = plan.gen + 1
+
+    def finish(self) -> None:
+        """After the journal dropped the window: delete the cleaned runs' files."""
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        with self._lock:
+            for r in plan.cleaned:
+                r.close()
+                if r.slot:  # (0: its slot went to the new run, _new_slot)
+                    self._win[r.slot] = False
+                    self._free_slots.append(r.slot)
+                fileio.unlink(r.path, missing_ok=True)
+        if plan.cleaned:
+            fsync_dir(self.dir)
+
+    def fail(self, exc: BaseException) -> None:
+        """A compaction failed half way: the overlay in memory no longer matches the files."""
+        self.broken = f"{type(exc).__name__}: {exc}"
+        self._plan = None
+
+
+def _isin_sorted(a: torch.Tensor, sorted_b: torch.Tensor) -> torch.Tensor:
+    """``a[i] in sorted_b`` for every i (``sorted_b`` sorted ascending)."""
+    if not sorted_b.numel() or not a.numel():
+        return torch.zeros(a.numel(), dtype=torch.bool)
+    pos = torch.searchsorted(sorted_b, a).clamp_(max=sorted_b.numel() - 1)
+    return sorted_b[pos] == a

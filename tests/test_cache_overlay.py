@@ -1,0 +1,135 @@
+"""The row overlay behind a DRAM cache (memory_pool/overlay.py, ``Compaction.bound``): a journaled
+pool whose tables are behind a cache writes the committed rows a trim or a compaction takes out of
+the journal into packed runs, not each into its image page, and reads a row given back from the
+working copy from its run again (``Overlay.repend``). Real pools, real files; bit-exact training
+with it is checked in tests/test_dram_cache.py (the 50-step and interleaved tests)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from memory_pool import MemoryPool
+from memory_pool.residency import page_cache_bytes
+from test_dram_cache import anonymous_bytes_at
+
+ROWS, DIM = 1 << 15, 64          # 8 MiB: 16 rows of 256 bytes a page
+
+
+def run_files(pool) -> list:
+    return sorted((pool.storage_dir / "runs").glob("run-*.bin"))
+
+
+def image_rows(t) -> torch.Tensor:
+    """What table ``t``'s image file holds (its page cache: not the process's working copy)."""
+    return torch.from_file(str(t.region.path), size=ROWS * DIM).view(ROWS, DIM).clone()
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_a_trim_behind_a_cache_packs_the_committed_rows_into_a_run_and_reads_them_back_from_it(tmp_path, tier):
+    """A row alone in its page is not read and written back as a page: the trim's compaction
+    appends it to a run. The working copy is given back all the same (no anonymous page left),
+    the rows are pending, read from the run when first needed -- and after a reopen."""
+    path = tmp_path / "p"
+    pool = MemoryPool.create(path, tier=tier)
+    t = pool.create_table("t", ROWS, DIM, init="uniform", seed=1)
+    pool.bound_working_copy(["t"])
+    ids = torch.arange(3, ROWS, 16)                                          # one row in every page
+    vals = torch.randn(ids.numel(), DIM)
+    t.write(ids, vals)
+    t.persist()
+    expected = t.view().clone()
+    before = image_rows(t)
+    assert not torch.equal(before[ids], vals)
+    assert anonymous_bytes_at(t.region.tensor.data_ptr()) >= 8 << 20         # (every page copied)
+
+    assert pool.trim_working_copy(["t"]) and pool.stats.trims == 1
+    assert pool.stats.bytes_to_runs >= ids.numel() * DIM * 4 and pool.stats.bytes_written_back == 0
+    assert torch.equal(image_rows(t), before)                                # not one page written home
+    assert anonymous_bytes_at(t.region.tensor.data_ptr()) == 0               # the working copy given back
+    assert page_cache_bytes(run_files(pool)) == 0                            # (and the run's pages)
+    assert pool.rows_pending == ids.numel()
+    assert torch.equal(t.read(ids[:100]), vals[:100])                        # from the run, when needed
+    assert pool.stats.run_rows_replayed == 100 and pool.rows_pending == ids.numel() - 100
+    assert torch.equal(t.view(), expected)
+    pool.close()
+    with MemoryPool.open(path) as again:
+        assert torch.equal(again.table("t").view(), expected)
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_rows_given_back_again_are_read_from_their_run_again(tmp_path, tier):
+    """A refresh drops the working copy's copy of rows taken from a run: they are pending again,
+    and read from the run again, not from the image (which holds their initial values)."""
+    pool = MemoryPool.create(tmp_path / "p", tier=tier)
+    t = pool.create_table("t", ROWS, DIM, init="uniform", seed=1)
+    pool.bound_working_copy(["t"])
+    ids = torch.arange(0, ROWS, 64)
+    vals = torch.randn(ids.numel(), DIM)
+    t.write(ids, vals)
+    t.persist()
+    assert pool.trim_working_copy(["t"])
+    assert torch.equal(t.read(ids), vals) and pool.rows_pending == 0
+    assert pool.trim_working_copy(["t"], {"t": torch.empty(0, dtype=torch.int64)})   # a refresh
+    assert pool.rows_pending == ids.numel()
+    assert torch.equal(t.read(ids), vals)
+    assert pool.stats.run_rows_replayed == 2 * ids.numel()
+    pool.close()
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_a_row_a_refresh_wrote_home_outlives_its_older_run_value_after_a_reopen(tmp_path, tier):
+    """Row 5 goes into a run (alone in its page), then changes; a refresh writes the new value
+    home (a DRAM cache's evicted dirty row). At the next compaction its page is dense (half of it
+    changed) and goes home in place: the run's older value of row 5 must get a tombstone then,
+    or a reopen reads it back over the newer one in the image."""
+    path = tmp_path / "p"
+    pool = MemoryPool.create(path, tier=tier)
+    t = pool.create_table("t", ROWS, DIM, init="uniform", seed=1)
+    pool.bound_working_copy(["t"])
+    t.write(torch.tensor([5]), torch.full((1, DIM), 1.0))
+    t.persist()
+    pool.compact()
+    assert pool.stats.bytes_to_runs > 0 and len(run_files(pool)) == 1      # row 5 in a run
+    t.write(torch.arange(8), torch.full((8, DIM), 2.0))                     # half of page 0
+    t.persist()
+    assert pool.trim_working_copy(["t"], {"t": torch.tensor([5])})           # row 5 written home
+    pool.compact()                                                           # page 0 home, in place
+    expected = t.view().clone()
+    assert torch.equal(expected[5], torch.full((DIM,), 2.0))
+    pool.close()
+    with MemoryPool.open(path) as again:
+        assert torch.equal(again.table("t").view(), expected)
+
+
+@pytest.mark.parametrize("kill_after", ["refresh", "compaction"])
+def test_a_power_loss_keeps_the_newest_value_of_a_row_written_home_behind_a_cache(tmp_path, run_py, kill_after):
+    """The same history on power-sim, the writer SIGKILLed and everything it did not sync lost
+    (an emulated power loss): right after the refresh (its write home unsynced -- the journal
+    still holds the newer value, and replays it over the run's older one), or right after the
+    compaction that wrote the page home (synced, the run's value tombstoned)."""
+    path = tmp_path / "p"
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.create({str(path)!r}, tier="power-sim")
+        t = pool.create_table("t", {ROWS}, {DIM}, init="uniform", seed=1)
+        pool.bound_working_copy(["t"])
+        t.write(torch.tensor([5]), torch.full((1, {DIM}), 1.0))
+        t.persist()
+        pool.compact()
+        t.write(torch.arange(8), torch.full((8, {DIM}), 2.0))
+        t.persist()
+        assert pool.trim_working_copy(["t"], {{"t": torch.tensor([5])}})
+        if {kill_after!r} == "compaction":
+            pool.compact()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with MemoryPool.open(path) as again:
+        t = again.table("t")
+        assert torch.equal(t.read(torch.arange(8)), torch.full((8, DIM), 2.0))
+        if kill_after == "compaction":
+            assert again.stats.rows_replayed == 0  # (from the image and the runs: the journal was empty)
