@@ -48,8 +48,11 @@ class RowCache:
         return (self.slots.numel() * self.slots.element_size() + self.row_slot.numel() * self.row_slot.element_size()
                 + self.slot_row.numel() * self.slot_row.element_size() + self.stamp.numel() * self.stamp.element_size())
 
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        """Rows for ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home)."""
+    def read(self, ids: torch.Tensor, ready=None) -> tuple[torch.Tensor, int, int]:
+        """Rows for ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home).
+        ``ready(ids)``: called first (the pool's on-demand rows applied to the home)."""
+        if ready is not None:
+            ready(ids)
         self.tick += 1
         slot = self.row_slot[ids].to(torch.int64)
         hit = slot >= 0

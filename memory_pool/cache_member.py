@@ -29,9 +29,11 @@ class CacheMember:
     def nbytes(self) -> int:
         return self.arena.cfg.groups[self.group].nbytes if self.member == 0 else 0
 
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        """Rows ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home)."""
-        out, b_dram, b_home = self.arena.read_rows(self.group, self.member, ids)
+    def read(self, ids: torch.Tensor, ready=None) -> tuple[torch.Tensor, int, int]:
+        """Rows ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home).
+        ``ready(rows)``: called with the rows read from the home, before they are read (the
+        pool's on-demand rows applied to it; the rows the cache holds need none)."""
+        out, b_dram, b_home = self.arena.read_rows(self.group, self.member, ids, ready)
         rb = out.shape[1] * out.element_size() if out.dim() == 2 else 4
         self.hits += b_dram // max(rb, 1)
         self.misses += b_home // max(rb, 1)
@@ -47,9 +49,10 @@ class CacheMember:
         must be read through :meth:`current`, or :meth:`flush`ed first."""
         return self.arena.write_back
 
-    def current(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids``' current values (cached ones from their slots), not counted as reads."""
-        return self.arena.read_rows(self.group, self.member, ids)[0]
+    def current(self, ids: torch.Tensor, ready=None) -> torch.Tensor:
+        """Rows ``ids``' current values (cached ones from their slots), not counted as reads
+        (``ready``: as :meth:`read`'s)."""
+        return self.arena.read_rows(self.group, self.member, ids, ready)[0]
 
     def flush(self) -> None:
         """Dirty rows of the table's group written to the home (:meth:`CacheArena.flush`)."""

@@ -191,7 +191,7 @@ class MemoryPool:
         """How to copy rows ``[(table, ids)]`` (trusted ids), grouped (``gather.row_gathers``):
         nothing is copied yet."""
         self._check_open()
-        self.ready(pairs)
+        self.ready([(t, ids) for t, ids in pairs if not t.cache_holds_newer])  # (those: Table.current_rows)
         return row_gathers(self._arena, pairs)
 
     def arena_tensor(self, dtype: torch.dtype = torch.float32, *, on_demand: bool = False) -> torch.Tensor:

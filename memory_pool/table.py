@@ -196,14 +196,14 @@ class Table:
     # -- hot path (callers have validated)
     # (every row path first applies the rows of ids an on-demand replay has not applied yet)
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
-        self._host.ready_rows(self.name, ids)
         st = self._host.stats
         if self._cache is None:
+            self._host.ready_rows(self.name, ids)
             out = self._region.tensor.index_select(0, ids)
             st.bytes_read_home += out.numel() * out.element_size()
             return out
         h0, m0 = self._cache.hits, self._cache.misses
-        out, b_dram, b_home = self._cache.read(ids)
+        out, b_dram, b_home = self._cache.read(ids, self._ready)  # (it readies the rows it reads from home)
         st.cache_hits += self._cache.hits - h0
         st.cache_misses += self._cache.misses - m0
         st.bytes_read_dram += b_dram
@@ -244,10 +244,13 @@ class Table:
     def current_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64, valid) as they are now, where a write-back DRAM cache holds rows
         newer than the home (the checkpointer's gathers, ``persist``); not counted as reads."""
-        self._host.ready_rows(self.name, ids)
         if self._cache is not None and self._cache.holds_newer:
-            return self._cache.current(ids)
+            return self._cache.current(ids, self._ready)  # (it readies the rows it reads from home)
+        self._host.ready_rows(self.name, ids)
         return self._region.tensor.index_select(0, ids)
+
+    def _ready(self, ids: torch.Tensor) -> None:
+        self._host.ready_rows(self.name, ids)
 
     @property
     def cache_holds_newer(self) -> bool:
