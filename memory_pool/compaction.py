@@ -133,45 +133,10 @@ class Compaction:
             self.journal.rotate()
         seq = self.journal.next_seq if before_seq is None else before_seq
 
-        def absorb(refs):
-            # Most segments were written back already, one by one as they were sealed (apply):
-            # what is left of them is only made durable here. With a row overlay, the order of
-            # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
-            # then the manifest; the journal's START moves after this returns (reclaim).
-            ov = self._compaction_overlay()
-            try:
-                if ov is not None:
-                    bound = self.overlay_bound
-                    ov.begin()
-                    # (a bound of 0 empties the overlay: every page goes home)
-                    self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else DENSE_FRACTION)
-                    ov.clean(bound)
-                    self.stats.bytes_to_runs += ov.write()
-                    self._unsynced |= ov.tables_home
-                else:
-                    self._write_back(refs)
-                self._sync_images()
-                if ov is not None and ov.changed:
-                    # Before the first manifest: a dlrm-cxl that knows no runs refuses the
-                    # pool instead of reading images that no longer hold every row.
-                    self._runs_format()
-                    ov.commit()
-                if ov is not None:
-                    self.stats.bytes_written_back += ov.written_home
-            except BaseException as exc:
-                if ov is not None:
-                    ov.fail(exc)
-                raise
-            # Rows replayed on demand that no step has needed yet point into segments about to
-            # be dropped (or reused): apply them now, while the write-back has their image pages
-            # in the page cache. In chunks: a step that needs rows meanwhile waits for one.
-            # (Rows pending from runs stay pending: their runs are kept, see Overlay.finish.)
-            self._apply_pending(chunk=1 << 16, runs=False)
-
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
             with self._image_lock:  # (never beside a bulk load into an image: images_held)
-                self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self._journaled else None)
+                self.stats.bytes_compacted += self.journal.reclaim(seq, self._absorb if self._journaled else None)
                 if self.overlay is not None:
                     self.overlay.finish()  # (after START moved: the cleaned runs' files go)
                 if self._journaled and self.journal.start_seq > self._applied:
@@ -182,6 +147,60 @@ class Compaction:
             self.stats.compact_cpu_seconds += time.thread_time() - c0
 
         return self._compactor.run(run, wait=wait)
+
+    def _absorb(self, refs) -> None:
+        """Write the ROWS of ``refs`` home and make them durable (the compactor's thread, the
+        images held): a compaction's ``absorb``, or a trim's behind a DRAM cache."""
+        # Most segments were written back already, one by one as they were sealed (apply):
+        # what is left of them is only made durable here. With a row overlay, the order of
+        # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
+        # then the manifest; the journal's START moves after this returns (reclaim).
+        ov = self._compaction_overlay()
+        try:
+            if ov is not None:
+                bound = self.overlay_bound
+                ov.begin()
+                # (a bound of 0 empties the overlay: every page goes home)
+                self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else DENSE_FRACTION)
+                ov.clean(bound)
+                self.stats.bytes_to_runs += ov.write()
+                self._unsynced |= ov.tables_home
+            else:
+                self._write_back(refs)
+            self._sync_images()
+            if ov is not None and ov.changed:
+                # Before the first manifest: a dlrm-cxl that knows no runs refuses the
+                # pool instead of reading images that no longer hold every row.
+                self._runs_format()
+                ov.commit()
+            if ov is not None:
+                self.stats.bytes_written_back += ov.written_home
+        except BaseException as exc:
+            if ov is not None:
+                ov.fail(exc)
+            raise
+        # Rows replayed on demand that no step has needed yet point into segments about to
+        # be dropped (or reused): apply them now, while the write-back has their image pages
+        # in the page cache. In chunks: a step that needs rows meanwhile waits for one.
+        # (Rows pending from runs stay pending: their runs are kept, see Overlay.finish.)
+        self._apply_pending(chunk=1 << 16, runs=False)
+
+    def _absorb_committed(self) -> None:
+        """A trim's compaction through the row overlay: every committed journal row home or
+        into a run, durably (:meth:`_absorb`), the journal kept whole -- its START is the
+        checkpointer's to move, which keeps its newest recovery point's transaction there (a
+        trim that dropped it left a pool that no longer knew its step: found by
+        ``tools/torture.py --dram-cache``). The rows stay in the journal too, newer or equal: a
+        reopen replays them over the runs, and the next compaction writes them again."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with self._image_lock:  # (never beside a bulk load into an image: images_held)
+            refs, upto = self.journal.sealed_refs(self.journal.start_seq)
+            if upto is not None:
+                self._absorb(refs)
+                if self.overlay is not None:
+                    self.overlay.finish()  # (the manifest no longer names the cleaned runs)
+        self.stats.compact_seconds += time.perf_counter() - t0
+        self.stats.compact_cpu_seconds += time.thread_time() - c0
 
     @property
     def keeps_applied_mark(self) -> bool:
@@ -288,14 +307,14 @@ class Compaction:
 
         With a row overlay (:meth:`bound`) the committed rows go where a compaction puts them
         -- the dense pages home, the other rows into a packed run -- not each into its image
-        page: a compaction runs inline (the journal's START then follows every committed row),
-        then the images are mapped afresh and the rows whose newest value is a run's are pending
-        again (:meth:`_given_back`)."""
+        page (:meth:`_absorb_committed`, inline, the journal kept), then the images are mapped
+        afresh and the rows whose newest value is a run's are pending again (:meth:`_given_back`)."""
         self.wait()
         if not self._journaled:
             return False
         if self.overlay is not None or self.overlay_bound:
-            self.compact(wait=True)
+            self.journal.rotate()  # (the caller's writer is idle: see MemoryPool.trim_working_copy)
+            self._compactor.run(self._absorb_committed, wait=True)
             self._given_back(regions, remap=True)
             self.stats.trims += 1
             return True

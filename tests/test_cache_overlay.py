@@ -133,3 +133,28 @@ def test_a_power_loss_keeps_the_newest_value_of_a_row_written_home_behind_a_cach
         assert torch.equal(t.read(torch.arange(8)), torch.full((8, DIM), 2.0))
         if kill_after == "compaction":
             assert again.stats.rows_replayed == 0  # (from the image and the runs: the journal was empty)
+
+
+def test_a_trim_keeps_the_newest_recovery_point_so_a_run_behind_a_cache_resumes_again_and_again(tmp_path):
+    """A pool behind a cache, trained, closed and resumed twice on pmem. Each resumed run's open
+    replays journal rows into the working copy, so its first recovery point trims -- through
+    the row overlay, into a run. That trim once dropped the journal's segments with them, the
+    newest recovery point's transaction included: the next resume found "tables but no
+    checkpoint". The runs end bit-identical to one uninterrupted uncached run."""
+    import os
+
+    from test_dram_cache import BUDGET, train
+
+    os.environ["DLRM_CXL_SEGMENT_MB"] = str(64 / 1024)  # (sealed segments: there is something to drop)
+    try:
+        pool = tmp_path / "resumed"
+        trims = 0
+        # (a window of 4 steps: each resumed run's one recovery point is its last step, and trims)
+        for steps in (8, 12, 16, 20):
+            _, summary, _ = train(pool, steps, tier="pmem", dram_cache_bytes=BUDGET, window=4)
+            trims += summary.pool_stats["memory"]["trims"]
+        digest = train(pool, 20, tier="pmem", dram_cache_bytes=BUDGET, window=4)[0]  # (one more open)
+    finally:
+        del os.environ["DLRM_CXL_SEGMENT_MB"]
+    assert trims >= 3, trims
+    assert digest == train(tmp_path / "plain", 20)[0]
