@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     print("\nDRAM = anonymous memory + the pool files' page cache (the whole process: torch, the MLPs, the "
           "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget; "
           "made/st = missed rows created from the initializer a step, not read (memory_pool/fresh.py); "
-          "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row into the images) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
+          "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row home: the row overlay's runs, the dense pages in place) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
           "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)" +
           ("; DRAM MB peak = the most DRAM sampled while the variant trained (--peak-every)" if a.peak_every > 0 else ""))
     floor = None
