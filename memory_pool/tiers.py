@@ -487,8 +487,8 @@ class FileRegion(Region):
         """Give back this process's memory for the table (journaled tiers): the image mapped
         afresh over the working copy (its copy-on-write pages go, and ``MADV_RANDOM``: a later
         fault reads its own page, not a readahead window), then the image's clean page cache
-        dropped. The caller guarantees that the image's page cache holds every row's current
-        value (``MemoryPool.trim_working_copy``): nothing reads differently afterwards.
+        dropped. The caller guarantees that the image's page cache, or a run for a row pending
+        again (``Overlay.repend``), holds every row's current value: nothing reads differently.
         ``remap=False``: no page of the working copy was written since it was mapped (a refresh
         with nothing written), so its pages are dropped where they are (``MADV_DONTNEED``), and
         the mapping a write-back stores through is left alone (no compaction waited for)."""
