@@ -89,6 +89,8 @@ class OverlayCompaction:
         entries = ids[keep]
         with self._lock:
             if w is not None:
+                # (pending again meanwhile, if a refresh ran beside this compaction: repend)
+                self.pending_rows -= int(torch.count_nonzero(w[home] < 0))
                 w[home] = 0
             if entries.numel():
                 # (a window row was read before it was written, or the journal held it at the
@@ -133,6 +135,7 @@ class OverlayCompaction:
                     plan.written_home += self.regions[name].write_back(live, vals)
                     plan.home_tables.add(name)
                     with self._lock:
+                        self.pending_rows -= int(torch.count_nonzero(w[live] < 0))
                         w[live] = 0
                 else:
                     cur = plan.tables.setdefault(name, [t.row_bytes, torch.empty(0, dtype=torch.int64),
