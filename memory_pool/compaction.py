@@ -287,7 +287,8 @@ class Compaction:
         quarter budget the write-back passes took 8.4 s of CPU in 240 steps, and a trim 4 s);
         in a run it costs its bytes, written in order. :meth:`trim` and :meth:`refresh` work
         with it: what they give back of a run's rows is read from the run again
-        (``Overlay.repend``)."""
+        (``Overlay.repend``). Its index (``Overlay.where``, a byte a row) is anonymous memory the
+        DRAM budget's measurement counts (``RssAnon``), not taken out of the arena's share."""
         for r in regions:
             r.read_randomly()
         self._bounded |= {n for n, t in self._tables.items() if any(t.region is r for r in regions)}
