@@ -368,8 +368,10 @@ class Compaction:
         # under a working copy that reads the image -- an apply pass writes the sealed segments
         # since the applied position record after record, and a row written here could read
         # back, for seconds, the value of a window long gone: it skips these rows (absorb_rows'
-        # superseded; tests/test_applied_mark.py, tests/test_dram_cache.py).
-        self._refreshed.append((self.journal.next_seq, {n: ids.numpy() for n, ids in written.items() if ids.numel()}))
+        # superseded; tests/test_applied_mark.py, tests/test_dram_cache.py). Not with a row
+        # overlay: no apply pass runs, and a compaction writes each row's newest record only.
+        if self.overlay is None and not self.overlay_bound:
+            self._refreshed.append((self.journal.next_seq, {n: ids.numpy() for n, ids in written.items() if ids.numel()}))
         with self._image_lock:  # (home()'s mapping is dropped below: never beside a write-back)
             for name, ids in written.items():
                 r = self._tables[name].region
