@@ -13,6 +13,7 @@ import torch
 from .arena import PAGE
 from . import fileio
 from .durable import fsync_dir
+from .records import row_words
 from .runfile import HEAD, Run, RunCorruptError, write_run
 
 __all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "MAX_RUNS"]
@@ -71,10 +72,15 @@ class OverlayCompaction:
             home = rows[(cnt * rb >= dense * PAGE)[page]]
         in_window = _isin_sorted(home, ids)
         values = torch.empty(home.numel(), rb, dtype=torch.uint8)
+        vw, rw = row_words(values), row_words(raw)   # (copies a word at a time: row_words)
         if in_window.any():
-            values[in_window] = raw[torch.searchsorted(ids, home[in_window])]
+            vw[in_window] = rw[torch.searchsorted(ids, home[in_window])]
         if (~in_window).any():
-            values[~in_window] = self.run_values(name, home[~in_window])
+            vals = self.run_values(name, home[~in_window])
+            if row_words(vals).dtype == vw.dtype:
+                vw[~in_window] = row_words(vals)
+            else:
+                values[~in_window] = vals
         # A carried row that no step has read since the open is copied into the working copy
         # first: once it is written home and its run value no longer counts, a working-copy page
         # copied before would keep the image's old value of it.

@@ -38,6 +38,7 @@ from .durable import json_crc_ok, json_with_crc, raise_if_full
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
 from .overlay import DENSE_FRACTION
+from .records import row_words
 from .tiers import shm_root
 from .threads import one_intra_op_thread
 
@@ -139,12 +140,14 @@ def latest(parts: list, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     dst = torch.empty_like(order)
     dst[order] = torch.arange(order.numel())           # where each kept position goes
     out = torch.empty(pos.numel(), parts[0][1].shape[1], dtype=torch.uint8)
+    words = row_words(out)   # (the copies a word at a time, not a byte: row_words)
     bounds = torch.tensor([0] + [p[0].numel() for p in parts]).cumsum(0)
     cuts = torch.searchsorted(pos, bounds).tolist()
     for k, (_, raw) in enumerate(parts):
         a, b = cuts[k], cuts[k + 1]
         if a < b:
-            out.index_copy_(0, dst[a:b], raw.index_select(0, pos[a:b] - int(bounds[k])))
+            src = raw.index_select(0, pos[a:b] - int(bounds[k]))
+            words.index_copy_(0, dst[a:b], row_words(src))
     return kept, out
 
 
@@ -161,8 +164,11 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
         at += pid.numel()
         if not bool(m.all()):
             sel = m.nonzero().flatten()
-            pid, raw = pid[sel], raw[sel]
-        rows.index_copy_(0, pid, raw)
+            pid, raw = pid[sel], raw.index_select(0, sel)
+        if row_words(raw).dtype == row_words(rows).dtype:
+            row_words(rows).index_copy_(0, pid, row_words(raw))
+        else:
+            rows.index_copy_(0, pid, raw)
         written += pid.numel()
     return written
 

@@ -44,7 +44,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 __all__ = ["ROW_SET", "LOGGED_MARK", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows",
            "undo_group_of", "encode_logged_mark", "decode_logged_mark", "crc32c", "crc32c_extend", "part_bytes",
-           "materialize"]
+           "materialize", "row_words"]
 
 ROW_SET = struct.Struct("<4sIIIQ")        # magic, n tables, row bytes, ids offset, n rows
 _TABLE = struct.Struct("<HQ")             # name length, rows
@@ -146,6 +146,22 @@ def encode_row_set(tables: Sequence[tuple[str, torch.Tensor]], rows: torch.Tenso
 def encode_rows(name: str, ids: torch.Tensor, rows: torch.Tensor) -> list:
     """Payload parts of a ROWS/UNDO record of one table."""
     return encode_row_set([(name, ids)], rows)
+
+
+def row_words(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``[n, row_bytes]`` uint8) viewed as ``[n, row_bytes / w]`` of the widest
+    integer of ``w`` bytes (8, 4, 2) that divides ``row_bytes`` and the view's offset; ``rows``
+    itself where none does. Row copies (``index_copy_``, ``index_select``, a mask) then move
+    ``w`` bytes an element: torch moves a uint8 row byte by byte -- 1 M rows of 256 B took
+    346 ms by ``index_copy_`` against 127 ms as int64, on this machine. The bytes are the same:
+    copy between two tensors viewed alike (``row_words`` of both, same ``row_bytes``)."""
+    if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.stride(1) != 1:
+        return rows
+    rb = rows.shape[1]
+    for dtype, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rb % w == 0 and rows.storage_offset() % w == 0 and (rows.shape[0] < 2 or rows.stride(0) % w == 0):
+            return rows.view(dtype)
+    return rows
 
 
 def decode_row_set(payload) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
