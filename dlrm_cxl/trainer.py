@@ -9,6 +9,7 @@ after a crash ends at the same step with the same state.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import os
@@ -287,7 +288,10 @@ class Trainer:
             gc.freeze()
         try:
             if n:
-                with Prefetcher(self.plan_ahead(self.source.iter_batches(last_pos)), depth=o.prefetch_batches) as batches:
+                # (no batch past the last step is planned: its rows would be read into the cache
+                # for nothing -- a one-step replay after a crash read 55.6k rows, not 16.1k)
+                ahead = itertools.islice(self.source.iter_batches(last_pos), n)
+                with Prefetcher(self.plan_ahead(ahead), depth=o.prefetch_batches) as batches:
                     for k in range(start + 1, o.steps + 1):
                         batch, pos, plan = next(batches)
                         self.set_batch_position(k, pos)

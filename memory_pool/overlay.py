@@ -305,7 +305,7 @@ class Overlay(OverlayCompaction):
         rslots = slots[rest]
         for s in torch.unique(rslots).tolist():
             sel = rest[rslots == s]
-            out[sel] = self._run(s).rows(name, part[sel])
+            out[sel] = self._planned(name, part[sel]) if s == NEW else self._run(s).rows(name, part[sel])
         return out
 
     def _source(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,15 +98,17 @@ class OverlayCompaction:
                 # (pending again meanwhile, if a refresh ran beside this compaction: repend)
                 self.pending_rows -= int(torch.count_nonzero(w[home] < 0))
                 w[home] = 0
+            # (under the lock: a take of a row pending from this run reads it here, _planned)
+            plan.tables[name] = [rb, entries, rw[keep].view(torch.uint8), tombs]
             if entries.numel():
-                # (a window row was read before it was written, or the journal held it at the
-                # open; pending again only if a DRAM cache's refresh made it so (repend) while
-                # a dirty slot held its newer value: not pending any more, it is this run's)
+                # Its slot is given when the run is written (write). A row pending from a run
+                # stays pending, from this one: a DRAM cache's trim or refresh gave the working
+                # copy back (repend), so it does not hold the row. (Made not pending here, a
+                # clean cached row read the image's old value once its slot was gone: the
+                # end-of-run digest of a pool behind a cache, after a background compaction.)
                 we = self._where(name)
-                self.pending_rows -= int(torch.count_nonzero(we[entries] < 0))
-                we[entries] = NEW   # its slot is given when the run is written
+                we[entries] = torch.where(we[entries] < 0, -NEW, NEW).to(torch.int8)
                 self._positive.add(name)
-        plan.tables[name] = [rb, entries, raw[keep], tombs]
 
     def clean(self, bound: int) -> None:
         """First in, first out: drop the oldest runs while the runs (the new one counted in)
@@ -144,12 +146,13 @@ class OverlayCompaction:
                         self.pending_rows -= int(torch.count_nonzero(w[live] < 0))
                         w[live] = 0
                 else:
-                    cur = plan.tables.setdefault(name, [t.row_bytes, torch.empty(0, dtype=torch.int64),
-                                                        torch.empty(0, t.row_bytes, dtype=torch.uint8),
-                                                        torch.empty(0, dtype=torch.int64)])
+                    cur = plan.tables.get(name) or [t.row_bytes, torch.empty(0, dtype=torch.int64),
+                                                    torch.empty(0, t.row_bytes, dtype=torch.uint8),
+                                                    torch.empty(0, dtype=torch.int64)]
                     ids = torch.cat([cur[1], live])
                     order = torch.argsort(ids)
-                    cur[1], cur[2] = ids[order], torch.cat([cur[2], vals])[order]
+                    with self._lock:  # (ids and rows replaced together: _planned reads them)
+                        plan.tables[name] = [cur[0], ids[order], torch.cat([cur[2], vals])[order], cur[3]]
             plan.cleaned.append(run)
             total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
 
@@ -183,6 +186,15 @@ class OverlayCompaction:
                     w[t[1]] = torch.where(w[t[1]] < 0, -run.slot, run.slot).to(torch.int8)
                     self._positive.add(name)
         return run.nbytes
+
+    def _planned(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """The values of rows pending from the run this compaction is writing (``where`` =
+        ``-NEW``, :meth:`absorb`), from its plan (the lock held)."""
+        plan = self._plan
+        if plan is None or name not in plan.tables:
+            raise RuntimeError(f"the row overlay is unusable after an error ({self.broken}): reopen the pool")
+        t = plan.tables[name]
+        return t[2][torch.searchsorted(t[1], rows)]
 
     def _new_slot(self, plan: Plan) -> int:
         """The slot of the run being written: a free one, or else the slot of a run this
