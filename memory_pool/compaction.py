@@ -58,7 +58,9 @@ class Compaction:
     overlay's manifest (then every journal row is replayed at the open); ``table_names``: the
     tables of the header; ``apply_pending(chunk=, runs=)``: apply the rows an on-demand replay
     has not applied yet (memory_pool/replay.py); ``runs_format()``: write format version 3 into
-    the pool's header unless it says so already."""
+    the pool's header unless it says so already. The tables' ``save_fresh()``
+    (``TableSet.save_fresh``) is called before the journal's START or the applied mark moves
+    past records whose rows the next open would then not clear (memory_pool/fresh.py)."""
 
     def __init__(self, journal: Journal, tables: dict[str, Table], stats: PoolStats, *, storage_dir: Path,
                  journaled: bool, rows: bool, mark: AppliedMark | None, has_runs: bool, table_names: list[str],
@@ -155,6 +157,10 @@ class Compaction:
         # what is left of them is only made durable here. With a row overlay, the order of
         # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
         # then the manifest; the journal's START moves after this returns (reclaim).
+        # The fresh rows' file first (memory_pool/fresh.py): the next open clears the rows of
+        # the records after START, and START is about to move past these; every row they hold
+        # was cleared in memory before it changed.
+        self._tables.save_fresh()
         ov = self._compaction_overlay()
         try:
             if ov is not None:
@@ -231,6 +237,7 @@ class Compaction:
                     return
                 self._write_back(refs, coalesce=False)
                 self._applied = upto
+                self._tables.save_fresh()  # (before the mark moves past these records: see _absorb)
                 self._vouch()
             self.stats.applies += 1
             self.stats.compact_seconds += time.perf_counter() - t0

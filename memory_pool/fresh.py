@@ -19,16 +19,30 @@ arena has claimed it (:meth:`FreshRows.claim`: then every row the kernels touch 
 first). A cleared bit is never wrong, only slower: the row is read, and its home holds the
 initial value too (the initialisation wrote every row).
 
-**Durability: a clean-shutdown file.** The bitmaps are kept in memory while the pool is open and
-written at :meth:`MemoryPool.close <memory_pool.pool.MemoryPool.close>` to
-``<storage>/fresh.bits`` (temporary name, fsync, rename, fsync the directory: a power loss
-leaves the old file, the new one, or none). A writer's open reads the file and **removes it,
-durably, before anything can change**: a pool that crashes, or loses power, comes back with no
-file, and every row is then read from its home (correct, as before this file existed). The cost:
-after a crash a run reads the rows it would have created until the next clean close. What would
-lift that on the journaled tiers (not built; README, "Rows never trained are created"): the file
-kept at open, saved before every move of the applied mark and of the journal's START, the replay
-plan's rows cleared at open, and a bulk load removing the file before its image is synced.
+**Durability: a file, ``<storage>/fresh.bits``** (temporary name, fsync, rename, fsync the
+directory: a power loss leaves the old file or the new one). Its rule: **every row that a
+durable state the pool can come back in holds with a value other than its initial one is
+either cleared in the file, or in a journal record the next open replays** -- which then clears
+it (``Replayer.start``). Two regimes:
+
+* **Journaled tiers (emulated pmem, power-sim): the file is kept while the pool is open.**
+  There every change reaches the images or the runs through the journal's committed records
+  (a compaction, a write-back pass, a refresh: committed values only), or through a bulk load.
+  So the file is saved again (:meth:`FreshRows.save`, from memory, where every row was cleared
+  before it changed) before the journal's START moves (``Compaction._absorb``), before the
+  applied mark moves (``Compaction.apply``: an open after a crash of the trainer replays only
+  what follows it), at a writer's first transaction or persist (a pool made by this process
+  has none yet: ``TableSet.save_fresh(once=True)``) and at a clean close; the open clears the
+  rows of every record it replays; and a bulk load removes the file, durably, before it writes
+  the image (:meth:`FreshRows.written` with no ids). A crash or a power loss then comes back
+  with the file and creates the rows it may: on `kaggle` behind the cache, after a SIGKILL,
+  ~2/3 of a replayed step's misses.
+* **Direct tiers (shm, real pmem): a clean-shutdown file.** Rows change in place there, and
+  nothing lists them durably, so a writer's open reads the file and **removes it, durably,
+  before anything can change**: a crash comes back with no file, and every row is read from its
+  home until the next clean close (correct, as before this file existed).
+
+A save that fails (a full disk) removes the file instead, which is always correct.
 
 Only tables made with initializer version 2 have a bitmap (their header entry records the
 initializer: ``MemoryPool.create_table``); a table of an older pool is always read.
@@ -123,6 +137,9 @@ class FreshRows:
         self._specs: dict[str, InitSpec] = {}
         self._claimed: set[str] = set()
         self.note = ""   # why a file found at open was not used, if it was not
+        # A journaled pool's file, kept while the pool is open (see the module): its path, and
+        # whether a bitmap was zeroed wholesale since it was last saved.
+        self._kept: Path | None = None
 
     @property
     def nbytes(self) -> int:
@@ -144,8 +161,15 @@ class FreshRows:
         return 0 if b is None else int(np.unpackbits(b).sum())
 
     def written(self, name: str, ids: torch.Tensor | None = None) -> None:
-        """Rows ``ids`` of ``name`` (None: any of them) are about to change."""
+        """Rows ``ids`` of ``name`` (None: any of them: a bulk load) are about to change."""
         with self._lock:
+            if ids is None and self._kept is not None:
+                # A bulk load writes the image itself, not through the journal: no replay plan
+                # clears its rows at the next open, so the kept file must not outlive it
+                # (removed durably before a row of the image changes; the next save writes one
+                # without the table). Whether or not a bitmap is in memory: the file may hold
+                # one that was dropped since (claim).
+                _remove_durably(self._kept)
             b = self._bits.get(name)
             if b is None:
                 return
@@ -183,11 +207,36 @@ class FreshRows:
                 self._claimed.add(n)
             return FreshGroup(self._lock, bits, [self._specs[n] for n in names], list(dims))
 
-    # -- the clean-shutdown file
+    @property
+    def any(self) -> bool:
+        """Some table has a bitmap."""
+        return bool(self._bits)
+
+    @property
+    def kept(self) -> bool:
+        """The file is kept while the pool is open (a journaled tier's writer: see the module)."""
+        return self._kept is not None
+
+    def keep(self, storage_dir: Path) -> None:
+        """From now on the file stays while the pool is open and is saved again (:meth:`save`)
+        before anything durable moves past a row change it does not show."""
+        self._kept = Path(storage_dir) / FRESH_FILE
+
+    # -- the file
     def save(self, storage_dir: Path, pool_id: str) -> bool:
         """Write the bitmaps that still have a fresh row to ``storage_dir/fresh.bits``, durably
-        (``atomic_write``). Best effort: a failure (a full disk) leaves no file, which is always
-        correct. Returns whether a file was written."""
+        (``atomic_write``); with none, remove the file (durably). A failure (a full disk)
+        removes the file, which is always correct; raises only if that fails too (the file
+        then says rows are fresh that a durable record no longer lists). Returns whether a file
+        was written."""
+        path = Path(storage_dir) / FRESH_FILE
+        try:
+            return self._save(path, pool_id)
+        except OSError:
+            _remove_durably(path)
+            return False
+
+    def _save(self, path: Path, pool_id: str) -> bool:
         with self._lock:
             keep = [(n, b) for n, b in self._bits.items() if b.any()]
             tables, blobs = [], []
@@ -195,25 +244,24 @@ class FreshRows:
                 tables.append({"name": n, "rows": self._rows[n], "init": asdict(self._specs[n]),
                                "bytes": b.nbytes, "crc32": zlib.crc32(b.tobytes())})
                 blobs.append(b.tobytes())
-        path = Path(storage_dir) / FRESH_FILE
         if not tables:
+            _remove_durably(path)
             return False
         doc = json_with_crc({"pool_id": pool_id, "tables": tables})  # (the header's own checksummed JSON)
-        try:
-            atomic_write(path, _HEAD.pack(_MAGIC, len(doc)) + doc + b"".join(blobs))
-        except OSError:
-            return False
+        atomic_write(path, _HEAD.pack(_MAGIC, len(doc)) + doc + b"".join(blobs))
         return True
 
     @classmethod
     def load(cls, storage_dir: Path, pool_id: str, tables: dict[str, int], specs: dict[str, InitSpec], *,
-             remove: bool = True) -> "FreshRows":
+             remove: bool = True, keep: bool = False) -> "FreshRows":
         """An open: the bitmaps the last clean close left, for the tables that still match
         (``tables``: rows per name; ``specs``: their header's initializers); with ``remove`` (a
         writer's open) the file removed durably before the pool can change (see the module: a
         crash must come back to no file). A damaged file is not an error -- it only says which
         rows need no read -- it is dropped (a writer's open), and :attr:`note` says why."""
         out = cls()
+        if keep:
+            out.keep(storage_dir)
         path = Path(storage_dir) / FRESH_FILE
         try:
             raw = path.read_bytes()
@@ -241,10 +289,19 @@ class FreshRows:
         except (ValueError, KeyError, TypeError, struct.error) as e:
             out = cls()
             out.note = f"{path.name} not used ({e}): every row is read from its home until the next clean close"
+        if keep:  # (a journaled tier's writer: the file stays, see the module)
+            if out.note:  # (a damaged one: not read again)
+                _remove_durably(path)
+            return out
         if not remove:  # (a reader: the file stays the writer's to take)
             return out
         # Removed, and the removal durable, before the caller may change a row: else a crash
         # (or a power loss undoing the unlink) would bring back bits for rows trained since.
-        fileio.unlink(path, missing_ok=True)
-        fsync_dir(path.parent)
+        _remove_durably(path)
         return out
+
+
+def _remove_durably(path: Path) -> None:
+    """``path`` unlinked if it is there, and that durable (its directory synced)."""
+    fileio.unlink(path, missing_ok=True)
+    fsync_dir(path.parent)

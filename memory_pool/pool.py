@@ -123,12 +123,14 @@ class MemoryPool:
     def begin(self, tag: int, doc: dict | None = None) -> Transaction:
         """A new journal transaction tagged ``tag`` (call order: memory_pool.transaction)."""
         self._check_writable()
+        self._tables.save_fresh(once=True)  # (a pool made by this process has no file yet: fresh.py)
         return Transaction(self, tag, doc)
 
     def persist_rows(self, pairs) -> int:
         """Make ``[(table, ids)]`` (trusted ids) durable now, in one group commit; row bytes."""
         self._check_writable()
         self._compaction.check()  # (a failed background compaction is reported here first)
+        self._tables.save_fresh(once=True)  # (as begin)
         self.ready(pairs)
         return persist_rows(self.journal if self.journaled else None, pairs)
 
@@ -141,9 +143,7 @@ class MemoryPool:
             return None
         return self._compaction.compact(before_seq, wait=wait)
 
-    @property
-    def keeps_applied_mark(self) -> bool:  # (apply passes shorten a crash's replay: Compaction)
-        return self._compaction.keeps_applied_mark
+    keeps_applied_mark = property(lambda self: self._compaction.keeps_applied_mark)  # (apply passes: Compaction)
 
     def apply(self, *, min_bytes: int = 1, wait: bool = False) -> Future | None:
         """Write the sealed journal segments not yet written back into the table images,
@@ -206,8 +206,7 @@ class MemoryPool:
         self._exposed()  # (the kernels write rows that no cache admits: FreshRows.exposed)
         return self._arena.flat(dtype)
 
-    # Rows still at their initial value, created by a DRAM cache instead of read (memory_pool/fresh.py).
-    fresh = property(lambda self: self._tables.fresh)
+    fresh = property(lambda self: self._tables.fresh)  # (rows still initial, created not read: fresh.py)
 
     def _exposed(self, name: str | None = None) -> None:
         self._tables.fresh.exposed(name)
@@ -319,13 +318,8 @@ class MemoryPool:
         """The pool's :class:`~memory_pool.tiers.Tier`: what survives, how rows persist, where files live."""
         return tier_of(self.tier, real_pmem=self.real_pmem)
 
-    @property
-    def libpmem_used(self) -> bool:
-        return self.real_pmem
-
-    @property
-    def durability(self) -> str:
-        return self.tier_info.durability
+    libpmem_used = property(lambda self: self.real_pmem)
+    durability = property(lambda self: self.tier_info.durability)
 
     def tables(self) -> list[str]:
         return list(self._tables)
@@ -397,6 +391,7 @@ class MemoryPool:
         on a journaled tier, one group commit for all tables."""
         self._check_writable()
         self._compaction.check()  # (a failed background compaction is reported here first)
+        self._tables.save_fresh(once=True)  # (as begin)
         # (dirty until the transaction is durable: a failed persist leaves them to its retry)
         return self.stats.counted_persist(lambda: persist_rows(
             self.journal if self.journaled else None, [(t, t.region.dirty_rows()) for t in self._tables.values()]))

@@ -67,6 +67,13 @@ class Replayer:
               replay: str) -> None:
         """Once the tables are mapped: attach the runs (``runs_dir``: the pool has them), then
         apply the plan's rows (eager) or index them (on demand, ``window`` not None)."""
+        fresh = self._tables.fresh
+        if fresh.kept:
+            # The file of rows still at their initial value is kept on a journaled tier: every
+            # row of a record it may not show -- those after START (or the applied mark) -- is
+            # cleared now, before anything reads one (memory_pool/fresh.py).
+            for name, parts in plan.items():
+                fresh.written(name, torch.cat([ids for ids, _ in parts]))
         if runs_dir is not None:
             # The runs' rows: pending until first read (on demand) or all applied below
             # (eager); a row the journal holds is the journal's (newer). (Reading the runs'

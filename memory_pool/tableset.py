@@ -48,10 +48,13 @@ class TableSet(Mapping):
         self._by_name: dict[str, Table] = {}
         self._rows = True   # (open_all: False when the pool was opened without its rows)
         self._pool_id = ""
+        self._fresh_saved = False   # (save_fresh)
         # Each table's initializer, as the header records it (add), and the rows still at their
         # initial value (memory_pool/fresh.py): loaded by a writer's open_all, saved by close.
         self.inits: dict[str, dict] = {}
         self.fresh = FreshRows()
+        if self._keeps_fresh_file:
+            self.fresh.keep(storage_dir)
         # One address range for every table (see arena.py); room for tables created later. Only
         # reserved (PROT_NONE, MAP_NORESERVE: no memory, no commit charge), so it is generous:
         # 16 GiB of room made a new pool refuse its tables past 16 GiB (a 35 GB `kaggle` with
@@ -78,7 +81,7 @@ class TableSet(Mapping):
             specs = {n: InitSpec.from_dict(d) for n, d in self.inits.items()}
             self.fresh = FreshRows.load(self._storage_dir, pool_id, {c.name: c.num_embeddings for c in cfgs},
                                         {n: sp for n, sp in specs.items() if sp is not None},
-                                        remove=not self._read_only)
+                                        remove=not self._read_only, keep=self._keeps_fresh_file)
         total = sum(c.nbytes for c in cfgs)
         dram_cache_bytes = self._dram_cache_bytes
         # When the tables of an existing pool do not all fit the DRAM budget, it is split in
@@ -179,6 +182,21 @@ class TableSet(Mapping):
              "cache_rows": t.cache_rows}
             for t in self._by_name.values()
         ]
+
+    @property
+    def _keeps_fresh_file(self) -> bool:
+        """A journaled tier's writer keeps ``fresh.bits`` while the pool is open (memory_pool/fresh.py)."""
+        return self._tier.has_files and self._tier.journaled and not self._read_only
+
+    def save_fresh(self, *, once: bool = False) -> None:
+        """Save the bitmaps now, where the file is kept (``FreshRows.save``): before a move of
+        the journal's START or of the applied mark, and (``once``: unless saved already, or no table has
+        a bitmap yet) at a writer's first transaction -- a pool made by this process has no file yet."""
+        if once and (self._fresh_saved or not self.fresh.any):
+            return
+        self._fresh_saved = True
+        if self.fresh.kept and self._rows:
+            self.fresh.save(self._storage_dir, self._pool_id)
 
     def close(self) -> None:
         """Save the rows still at their initial value (a writer: ``FreshRows.save``, durable before

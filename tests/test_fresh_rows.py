@@ -63,7 +63,9 @@ def test_a_miss_of_a_row_never_written_is_created_equal_to_its_stored_value_with
 def test_the_bitmap_survives_a_clean_close_and_every_write_path_clears_its_rows(tmp_path):
     path = make_pool(tmp_path / "p")
     with MemoryPool.open(path) as pool:
-        assert not (storage(pool) / FRESH_FILE).exists()   # (taken at open: a crash must leave none)
+        # (kept while the pool is open on a journaled tier; a direct tier's open takes it:
+        # test_a_killed_writers_trained_rows_are_read_and_only_a_journaled_tier_keeps_the_bitmap)
+        assert (storage(pool) / FRESH_FILE).exists()
         assert pool.fresh.count("t") == ROWS
         t = pool.table("t")
         t.write(torch.tensor([0, 1]), torch.ones(2, DIM))
@@ -131,12 +133,18 @@ def test_an_initializer_this_version_cannot_recreate_gives_no_bitmap():
     assert InitSpec.from_dict({"kind": "zeros", "version": 2}) == InitSpec("zeros")
 
 
-def test_a_writer_killed_leaves_no_bitmap_and_its_trained_rows_are_read(tmp_path, run_py):
-    path = make_pool(tmp_path / "p", "pmem")   # (a SIGKILL alone: the page cache kept)
+@pytest.mark.parametrize("tier", ["shm", "pmem"])
+def test_a_killed_writers_trained_rows_are_read_and_only_a_journaled_tier_keeps_the_bitmap(tmp_path, run_py, tier):
+    """A direct tier (shm) changes rows in place: its open takes the file, and a crash comes
+    back with none. A journaled one (emulated pmem) keeps it, and the open clears the rows of
+    the journal's records: without that the cache would create rows 0-3 with their initial
+    values (a SIGKILL alone: the page cache kept)."""
+    path = make_pool(tmp_path / "p", tier)
     proc = run_py(f"""
         import os, signal, torch
         from memory_pool import MemoryPool
         pool = MemoryPool.open({str(path)!r})
+        pool.persist()   # (its first: the file saved again, every row still initial)
         pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
         pool.persist()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -144,11 +152,70 @@ def test_a_writer_killed_leaves_no_bitmap_and_its_trained_rows_are_read(tmp_path
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pool, arena = open_cached(path)
     try:
-        assert pool.fresh.count("t") == 0
+        kept = tier == "pmem"
+        assert pool.fresh.count("t") == (ROWS - 4 if kept else 0)
         arena.prefetch([torch.arange(6)])
         g = arena.groups[0]
         assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
-        assert arena.stats.rows_created == 0
+        assert arena.stats.rows_created == (2 if kept else 0)   # (rows 4 and 5)
+    finally:
+        pool.close()
+
+
+def test_a_compaction_saves_the_bitmap_before_the_journal_lets_go_of_its_rows(tmp_path, run_py):
+    """Once a compaction has moved the journal's START past a record, no open clears its
+    rows: the bitmap saved before that move must show them trained. Without the save
+    (``Compaction._absorb``) the clean close's file says rows 0-3 are initial, and the cache
+    creates them."""
+    path = make_pool(tmp_path / "p", "pmem")
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.open({str(path)!r})
+        pool.persist()   # (its first: the file saved again, every row still initial)
+        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
+        pool.persist()
+        start = pool.journal.start_seq
+        pool.compact()
+        assert pool.journal.start_seq > start
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pool, arena = open_cached(path)
+    try:
+        assert pool.stats.journal_rows_at_open == 0   # (nothing left for the open to clear)
+        assert pool.fresh.count("t") == ROWS - 4
+        arena.prefetch([torch.arange(6)])
+        g = arena.groups[0]
+        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
+        assert arena.stats.rows_created == 2
+    finally:
+        pool.close()
+
+
+def test_a_pool_made_by_a_writer_that_is_killed_keeps_its_bitmap(tmp_path, run_py):
+    """A pool made and trained by one process has no clean close behind it: its first
+    transaction saves the file (``TableSet.save_fresh(once=True)``), so a crash does not send
+    every row to the device."""
+    path = tmp_path / "p"
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.create({str(path)!r}, tier="pmem")
+        pool.create_table("t", {ROWS}, {DIM}, init="uniform", seed=5)
+        pool.create_table("t.adagrad", {ROWS}, 1, init="zeros")
+        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
+        pool.persist()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pool, arena = open_cached(path)
+    try:
+        assert pool.fresh.count("t") == ROWS - 4
+        arena.prefetch([torch.arange(6)])
+        g = arena.groups[0]
+        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
+        assert arena.stats.rows_created == 2
     finally:
         pool.close()
 

@@ -595,36 +595,73 @@ def test_a_tail_segment_cut_by_recovery_stays_gone_after_a_power_loss(tmp_path):
     assert bytes(after.read(after.txns[-1].records[0])) == bytes(100)
 
 
-def test_the_bitmaps_removal_at_open_is_durable_before_a_power_loss(tmp_path, run_py):
-    """The writer's open removes the file and syncs the directory before anything changes:
-    without that sync an emulated power loss brings the file back, and it claims the rows the
-    killed writer trained and persisted were still initial -- the cache would create their old
-    values. (The sync is ``FreshRows.load``'s ``fsync_dir``; a test of it must fail without it:
-    ``tools/sync_mutants.py``; memory_pool/fresh.py says why.)"""
-    from dlrm_cxl.fused import bind_cached
+def _fresh_pool(path):
+    """A power-sim pool of table ``t`` (uniform) and its state, closed cleanly: its
+    ``fresh.bits`` says every row is initial."""
     from memory_pool.fresh import FRESH_FILE
 
-    path = tmp_path / "p"
     with MemoryPool.create(path, tier="power-sim") as pool:
         pool.create_table("t", 200, 4, init="uniform", seed=5)
         pool.create_table("t.adagrad", 200, 1, init="zeros")
         pool.persist()
     assert (path / FRESH_FILE).exists()  # (the clean close's file survived that close's power loss)
+
+
+def _rows_after_power_on(path, rows):
+    """Rows ``rows`` of ``t`` as a DRAM cache brings them in after the power comes back (the
+    killed writer's unsynced undone), and how many it created instead of reading."""
+    from dlrm_cxl.fused import bind_cached
+
+    pool = MemoryPool.open(path, dram_cache_bytes=64 << 10)
+    try:
+        arena = bind_cached(pool, [pool.table("t")], [pool.table("t.adagrad")], optimizer="rowwise_adagrad",
+                            lr=0.1, eps=1e-8, batch_size=4).arena
+        arena.prefetch([rows])
+        g = arena.groups[0]
+        return g.slots[0][g.row_slot[rows].to(torch.int64)].clone(), arena.stats.rows_created
+    finally:
+        pool.close()
+
+
+def test_a_bulk_loads_removal_of_the_bitmap_is_durable_before_a_power_loss(tmp_path, run_py):
+    """A journaled tier keeps ``fresh.bits`` while the pool is open (memory_pool/fresh.py). A
+    bulk load writes the image itself, not through the journal, so it removes the file and
+    syncs the directory before the image changes: without that sync an emulated power loss
+    brings the file back, and it claims the loaded rows are still initial -- the cache would
+    create their old values. (``FreshRows.written``'s ``_remove_durably``; a test of a sync must
+    fail without it: ``tools/sync_mutants.py``.)"""
+    path = tmp_path / "p"
+    _fresh_pool(path)
     proc = run_py(f"""
         import os, signal, torch
         from memory_pool import MemoryPool
         pool = MemoryPool.open({str(path)!r})
-        pool.table("t").write(torch.arange(4), torch.full((4, 4), 3.0))
-        pool.persist()
+        pool.table("t").load_(torch.full((200, 4), 2.0))
         os.kill(os.getpid(), signal.SIGKILL)
     """, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pool = MemoryPool.open(path, dram_cache_bytes=64 << 10)  # (it powers on: the killed writer's unsynced undone)
-    try:
-        arena = bind_cached(pool, [pool.table("t")], [pool.table("t.adagrad")], optimizer="rowwise_adagrad",
-                            lr=0.1, eps=1e-8, batch_size=4).arena
-        arena.prefetch([torch.arange(4)])
-        g = arena.groups[0]
-        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, 4), 3.0))
-    finally:
-        pool.close()
+    values, created = _rows_after_power_on(path, torch.arange(6))
+    assert torch.equal(values, torch.full((6, 4), 2.0)) and created == 0
+
+
+def test_a_compactions_save_of_the_bitmap_is_durable_before_a_power_loss(tmp_path, run_py):
+    """A compaction saves the bitmap durably before the journal's START moves past the records
+    of rows 0-3: after a power loss no open clears them, and a file that came back older would
+    say they are initial (``Compaction._absorb``, ``FreshRows.save``'s ``atomic_write``)."""
+    path = tmp_path / "p"
+    _fresh_pool(path)
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.open({str(path)!r})
+        pool.persist()   # (its first: the file saved again, every row still initial)
+        pool.table("t").write(torch.arange(4), torch.full((4, 4), 3.0))
+        pool.persist()
+        start = pool.journal.start_seq
+        pool.compact()
+        assert pool.journal.start_seq > start
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    values, created = _rows_after_power_on(path, torch.arange(6))
+    assert torch.equal(values[:4], torch.full((4, 4), 3.0)) and created == 2
