@@ -399,6 +399,12 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
         if pool.rows_pending:
             pool.ready([(m, ids) for m in members[g]])
 
+    def peek(g: int, ids: torch.Tensor) -> list | None:
+        if not pool.rows_pending:
+            return None
+        got = [m.pending_values(ids) for m in members[g]]
+        return got if any(x is not None for x in got) else None
+
     # Write-back on a journaled tier: there the working copy is volatile and every window's
     # commit writes its rows' after-images (read through the cache), so the cache need not write
     # a step's rows home -- which, into the private copy-on-write mapping of the images, cost a
@@ -407,7 +413,7 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
         for m in members[g]:
             m.region.will_need(ids)
 
-    arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready, write_back=pool.journaled,
+    arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready, peek=peek, write_back=pool.journaled,
                        fresh=fresh, advise=advise if pool.journaled and os.environ.get("DLRM_CXL_WILLNEED", "1") != "0" else None)
     for g, ms in enumerate(members):
         for i, m in enumerate(ms):

@@ -135,10 +135,13 @@ class CacheArena:
     of group ``g`` are read from their homes (an on-demand replay applies its pending rows);
     ``advise(g, ids)`` then (a file's reads started ahead: ``Region.will_need``).
     ``write_back``: see the module. ``fresh[g]``: group ``g``'s rows still at their initial
-    value, which a miss creates in its slot instead of reading (``memory_pool/fresh.py``)."""
+    value, which a miss creates in its slot instead of reading (``memory_pool/fresh.py``).
+    ``peek(g, ids)``: per member, ``(mask, values)`` of the rows not applied to the home yet
+    (``Table.pending_values``), which a miss takes into its slot instead of ``ready``."""
 
     def __init__(self, cfg: CacheArenaConfig, homes: Sequence[Sequence[torch.Tensor]],
                  ready: Callable[[int, torch.Tensor], None] | None = None, *, write_back: bool = False,
+                 peek: Callable[[int, torch.Tensor], list | None] | None = None,
                  advise: Callable[[int, torch.Tensor], None] | None = None, fresh: Sequence | None = None):
         if not cfg.groups:
             raise InvalidConfigError("a cache arena needs at least one table")
@@ -147,6 +150,7 @@ class CacheArena:
         self.cfg = cfg
         self.stats = CacheStats()
         self._ready = ready
+        self._peek = peek
         self._advise = advise
         self._fresh = list(fresh) if fresh is not None else [None] * len(cfg.groups)
         self.write_back = bool(write_back)
@@ -440,13 +444,20 @@ class CacheArena:
         # cleared now, before the step changes them: memory_pool/fresh.py).
         new = self._fresh[gi].take(miss) if self._fresh[gi] is not None else None
         read, into = (miss, victims) if new is None else (miss[~new], victims[~new])
-        if self._ready is not None and read.numel():
+        # (a journal's or a run's newest value straight into the slot: Replayer.peek)
+        peeked = self._peek(gi, read) if self._peek is not None and read.numel() else None
+        if peeked is None and self._ready is not None and read.numel():
             self._ready(gi, read)
-        if self._advise is not None and read.numel():
-            self._advise(gi, read)  # (a file's pages requested all at once, before the copy faults them in)
+        if self._advise is not None and read.numel():  # (a file's pages asked for at once)
+            self._advise(gi, read if peeked is None or peeked[0] is None else read[~peeked[0][0]])
         for i, (h, s) in enumerate(zip(g.homes, g.slots)):
-            s.index_copy_(0, into, h.index_select(0, read))  # (read is sorted: the home read in ascending order)
-            self.stats.bytes_read_home += read.numel() * s.shape[1] * 4
+            got = peeked[i] if peeked is not None else None
+            pm = got[0] if got is not None else torch.zeros(read.numel(), dtype=torch.bool)
+            s.index_copy_(0, into[~pm], h.index_select(0, read[~pm]))  # (read is sorted: the home read in ascending order)
+            if got is not None:
+                s.index_copy_(0, into[pm], got[1].view(s.dtype).view(-1, s.shape[1]))
+                self.stats.rows_from_log += int(pm.sum())
+            self.stats.bytes_read_home += int((~pm).sum()) * s.shape[1] * 4
             if new is not None:
                 s.index_copy_(0, victims[new], self._fresh[gi].values(i, miss[new]))
         self.stats.rows_created += 0 if new is None else int(new.sum())

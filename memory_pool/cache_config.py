@@ -141,6 +141,7 @@ class CacheStats:
     misses: int = 0                # read from the home at the step's start (the step waited)
     rows_prefetched: int = 0       # read from the home ahead of their step, by the prefetch thread
     rows_created: int = 0          # of the misses and prefetched rows, created from the initializer, not read
+    rows_from_log: int = 0         # ... and (times members) taken from the journal or a run, not the home
     prefetch_skipped: int = 0      # planned batches (x tables) the prefetch left to their step: no free slot
     prefetch_stolen: int = 0       # prefetched rows a step evicted before their batch ran
     evictions: int = 0             # rows dropped from a slot for another

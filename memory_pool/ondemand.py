@@ -129,6 +129,23 @@ class PendingRows:
                 del self._tables[name]
             return hit.numel()
 
+    def peek(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Which of ``ids`` (valid, distinct) are pending in table ``name``, and their values
+        (``[hits, row_bytes]`` uint8, a copy): read, not applied (a DRAM cache's miss takes
+        them into its slot: ``Replayer.peek``). None when none is."""
+        p = self._tables.get(name)
+        if p is None:
+            return None
+        with self._lock:
+            if self._tables.get(name) is not p:
+                return None
+            mask = p.mask[ids]
+            if not bool(mask.any()):
+                return None
+            hit = ids[mask]
+            src = self._source(p.region.row_bytes).index_select(0, p.src[torch.searchsorted(p.ids, hit)])
+            return mask, src
+
     def take_all(self, *, chunk: int | None = None) -> int:
         """Apply every pending row (``chunk``: at most that many per hold of the lock, so that a
         step on another thread waits for one chunk, not for all of them)."""

@@ -281,6 +281,19 @@ class Overlay(OverlayCompaction):
             self._positive.add(name)
         return n
 
+    def peek(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Which of ``ids`` (sorted, distinct) of table ``name`` are pending (their newest value
+        a run's, not in the working copy), and those values (``[hits, row_bytes]`` uint8): read,
+        not taken (``Replayer.peek``). None when none is."""
+        w = self.where.get(name)
+        if w is None or not self.pending_rows:
+            return None
+        with self._lock:
+            mask = w[ids] < 0
+            if not bool(mask.any()):
+                return None
+            return mask, self._values(name, ids[mask], self.regions[name].row_bytes)
+
     def _values(self, name: str, part: torch.Tensor, rb: int) -> torch.Tensor:
         """The run values of pending rows ``part`` (sorted) of table ``name``, ``[n, rb]``."""
         slots = (-self.where[name][part]).to(torch.int64)

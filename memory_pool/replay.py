@@ -164,6 +164,37 @@ class Replayer:
             for t, ids in pairs:
                 self.stats.run_rows_replayed += ov.take(t.name, ids)
 
+    def peek(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows among ``ids`` (sorted, distinct) of table ``name`` whose newest value is not in
+        the working copy yet -- a run's, else the journal's (a run's is the newer: the rows an
+        open finds in the journal are not pending from a run, and a run written since holds
+        newer values) -- as ``(mask over ids, their values [hits, row_bytes] uint8)``, or None.
+        Read, not applied: a DRAM cache's miss takes them into its slot and the working copy
+        stays as it is (each applied row cost a copy-on-write fault and a read of the image's
+        page, for a value the slot then held anyway). They stay pending: whatever writes or
+        reads the working copy's row later readies it first (``Table``'s row paths, the
+        cache's write-back of a dirty slot: ``CacheArena._write_back_slots``)."""
+        p, ov = self._pending, self._compaction.overlay
+        got = ov.peek(name, ids) if ov is not None and ov.pending_rows else None
+        if p is None:
+            return got
+        rest = ids if got is None else ids[~got[0]]
+        jr = p.peek(name, rest) if rest.numel() else None
+        if jr is None:
+            return got
+        if got is None:
+            return jr
+        mask = got[0].clone()
+        at = (~got[0]).nonzero().flatten()
+        mask[at[jr[0]]] = True
+        vals = torch.empty(int(mask.sum()), got[1].shape[1], dtype=torch.uint8)
+        ov_pos = torch.zeros(ids.numel(), dtype=torch.bool)
+        ov_pos[got[0]] = True
+        sel = ov_pos[mask]                       # (of the hits, in ids order: a run's or the journal's)
+        vals[sel] = got[1]
+        vals[~sel] = jr[1]
+        return mask, vals
+
     def ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
         """:meth:`ready` for rows ``ids`` of table ``name`` (None: all of them)."""
         p = self._pending

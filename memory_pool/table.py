@@ -118,7 +118,9 @@ class TableHost:
     ``note_reset(name)``: the table was loaded whole into its image, durably (a journaled tier
     commits a reset marker). ``real_pmem``: rows persist by cache-line flushes (real pmem).
     ``written(name, ids=None)``: rows ``ids`` (None: any) are about to change; ``exposed(name)``:
-    the table's memory is handed out writable (both: ``FreshRows``, memory_pool/fresh.py)."""
+    the table's memory is handed out writable (both: ``FreshRows``, memory_pool/fresh.py).
+    ``peek_rows(name, ids)``: the rows among ``ids`` not applied yet, and their values, read
+    but not applied (``Replayer.peek``)."""
 
     stats: PoolStats
     check_open: Callable[[], None]
@@ -130,6 +132,7 @@ class TableHost:
     real_pmem: bool = False
     written: Callable[..., None] = lambda name, ids=None: None   # rows about to change (memory_pool/fresh.py)
     exposed: Callable[[str], None] = lambda name: None          # memory handed out writable (Table.view)
+    peek_rows: Callable[..., tuple | None] = lambda name, ids: None  # pending rows' values (Replayer.peek)
 
 
 class Table:
@@ -251,6 +254,13 @@ class Table:
 
     def _ready(self, ids: torch.Tensor) -> None:
         self._host.ready_rows(self.name, ids)
+
+    def pending_values(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows among ``ids`` (valid, sorted, distinct) whose newest value an on-demand
+        replay or the row overlay has not applied to the home yet: ``(mask over ids, values
+        [hits, row_bytes] uint8)``, read and left pending; None when none is. For a DRAM cache's
+        misses (``CacheArena``'s ``peek``): every later read or write of the home readies them."""
+        return self._host.peek_rows(self.name, ids)
 
     @property
     def cache_holds_newer(self) -> bool:

@@ -158,3 +158,39 @@ def test_an_unknown_replay_mode_is_refused_with_the_modes(tmp_path):
     journaled_pool(tmp_path / "p", "pmem")
     with pytest.raises(InvalidConfigError, match="on-demand"):
         MemoryPool.open(tmp_path / "p", replay="lazy")
+
+
+@pytest.mark.parametrize("tier", JOURNALED)
+def test_a_cache_miss_of_a_pending_row_takes_the_journals_value_into_its_slot_and_leaves_the_home_alone(tier, tmp_path):
+    """A DRAM cache's miss of a row whose newest value is still only in the journal takes that
+    value into its slot (``Replayer.peek``) instead of applying it to the working copy first --
+    a copy-on-write fault and a read of the image's page, for a value the slot then holds
+    anyway. The row stays pending; the next read of the home applies it."""
+    from dlrm_cxl.fused import bind_cached
+
+    path = tmp_path / "p"
+    with MemoryPool.create(path, tier=tier) as pool:
+        pool.create_table("t", 200, 4, init="uniform", seed=5)
+        pool.create_table("t.adagrad", 200, 1, init="zeros")
+        pool.table("t").write(torch.arange(4), torch.full((4, 4), 3.0))
+        pool.table("t.adagrad").write(torch.arange(4), torch.full((4, 1), 2.0))
+        pool.persist()
+    pool = MemoryPool.open(path, dram_cache_bytes=64 << 10, replay="on-demand")
+    try:
+        arena = bind_cached(pool, [pool.table("t")], [pool.table("t.adagrad")], optimizer="rowwise_adagrad",
+                            lr=0.1, eps=1e-8, batch_size=4).arena
+        assert pool.journal_rows_pending == 8
+        home = working_copy(pool)
+        assert not torch.equal(home[:4], torch.full((4, 4), 3.0))    # (the image's older value)
+        arena.prefetch([torch.arange(6)])
+        g = arena.groups[0]
+        slot = g.row_slot[:4].to(torch.int64)
+        assert torch.equal(g.slots[0][slot], torch.full((4, 4), 3.0))
+        assert torch.equal(g.slots[1][slot], torch.full((4, 1), 2.0))
+        # (rows 4 and 5 never trained: created; nothing read from the home)
+        assert arena.stats.rows_from_log == 8 and arena.stats.rows_created == 2 and arena.stats.bytes_read_home == 0
+        assert pool.journal_rows_pending == 8 and torch.equal(working_copy(pool)[:4], home[:4])
+        assert torch.equal(pool.table("t").read(torch.arange(4)), torch.full((4, 4), 3.0))
+        assert torch.equal(pool.table("t").view()[:4], torch.full((4, 4), 3.0))   # (applied now)
+    finally:
+        pool.close()
