@@ -133,6 +133,43 @@ def test_an_initializer_this_version_cannot_recreate_gives_no_bitmap():
     assert InitSpec.from_dict({"kind": "zeros", "version": 2}) == InitSpec("zeros")
 
 
+def writer_killed(run_py, path, *, compact: bool = False, create: bool = False) -> None:
+    """A writer of ``path`` trains rows 0-3 of ``t`` to 3.0 and persists them -- after a first
+    persist that saves the file again, every row still initial (``create``: it makes the pool
+    itself instead, and has no such persist) -- then (``compact``) has a compaction move the
+    journal's START past them; then it is killed (SIGKILL)."""
+    if create:
+        head = f"""pool = MemoryPool.create({str(path)!r}, tier="pmem")
+pool.create_table("t", {ROWS}, {DIM}, init="uniform", seed=5)
+pool.create_table("t.adagrad", {ROWS}, 1, init="zeros")"""
+    else:
+        head = f"pool = MemoryPool.open({str(path)!r})\npool.persist()"
+    tail = "start = pool.journal.start_seq\npool.compact()\nassert pool.journal.start_seq > start" if compact else ""
+    proc = run_py(f"""import os, signal, torch
+from memory_pool import MemoryPool
+{head}
+pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
+pool.persist()
+{tail}
+os.kill(os.getpid(), signal.SIGKILL)
+""", check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def cached_after_kill(path) -> tuple[int, int, int]:
+    """Open ``path`` behind a cache and bring rows 0-5 in: (rows of ``t`` known initial at the
+    open, rows created, rows journaled at the open); rows 0-3 must hold the killed writer's 3.0."""
+    pool, arena = open_cached(path)
+    try:
+        fresh = pool.fresh.count("t")
+        arena.prefetch([torch.arange(6)])
+        g = arena.groups[0]
+        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
+        return fresh, arena.stats.rows_created, pool.stats.journal_rows_at_open
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("tier", ["shm", "pmem"])
 def test_a_killed_writers_trained_rows_are_read_and_only_a_journaled_tier_keeps_the_bitmap(tmp_path, run_py, tier):
     """A direct tier (shm) changes rows in place: its open takes the file, and a crash comes
@@ -140,26 +177,10 @@ def test_a_killed_writers_trained_rows_are_read_and_only_a_journaled_tier_keeps_
     the journal's records: without that the cache would create rows 0-3 with their initial
     values (a SIGKILL alone: the page cache kept)."""
     path = make_pool(tmp_path / "p", tier)
-    proc = run_py(f"""
-        import os, signal, torch
-        from memory_pool import MemoryPool
-        pool = MemoryPool.open({str(path)!r})
-        pool.persist()   # (its first: the file saved again, every row still initial)
-        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
-        pool.persist()
-        os.kill(os.getpid(), signal.SIGKILL)
-    """, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pool, arena = open_cached(path)
-    try:
-        kept = tier == "pmem"
-        assert pool.fresh.count("t") == (ROWS - 4 if kept else 0)
-        arena.prefetch([torch.arange(6)])
-        g = arena.groups[0]
-        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
-        assert arena.stats.rows_created == (2 if kept else 0)   # (rows 4 and 5)
-    finally:
-        pool.close()
+    writer_killed(run_py, path)
+    fresh, created, _ = cached_after_kill(path)
+    kept = tier == "pmem"
+    assert fresh == (ROWS - 4 if kept else 0) and created == (2 if kept else 0)   # (rows 4 and 5)
 
 
 def test_a_compaction_saves_the_bitmap_before_the_journal_lets_go_of_its_rows(tmp_path, run_py):
@@ -168,56 +189,19 @@ def test_a_compaction_saves_the_bitmap_before_the_journal_lets_go_of_its_rows(tm
     (``Compaction._absorb``) the clean close's file says rows 0-3 are initial, and the cache
     creates them."""
     path = make_pool(tmp_path / "p", "pmem")
-    proc = run_py(f"""
-        import os, signal, torch
-        from memory_pool import MemoryPool
-        pool = MemoryPool.open({str(path)!r})
-        pool.persist()   # (its first: the file saved again, every row still initial)
-        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
-        pool.persist()
-        start = pool.journal.start_seq
-        pool.compact()
-        assert pool.journal.start_seq > start
-        os.kill(os.getpid(), signal.SIGKILL)
-    """, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pool, arena = open_cached(path)
-    try:
-        assert pool.stats.journal_rows_at_open == 0   # (nothing left for the open to clear)
-        assert pool.fresh.count("t") == ROWS - 4
-        arena.prefetch([torch.arange(6)])
-        g = arena.groups[0]
-        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
-        assert arena.stats.rows_created == 2
-    finally:
-        pool.close()
+    writer_killed(run_py, path, compact=True)
+    fresh, created, journaled = cached_after_kill(path)
+    assert journaled == 0 and fresh == ROWS - 4 and created == 2   # (nothing left for the open to clear)
 
 
 def test_a_pool_made_by_a_writer_that_is_killed_keeps_its_bitmap(tmp_path, run_py):
     """A pool made and trained by one process has no clean close behind it: its first
-    transaction saves the file (``TableSet.save_fresh(once=True)``), so a crash does not send
-    every row to the device."""
+    persist saves the file (``TableSet.save_fresh(once=True)``), so a crash does not send every
+    row to the device."""
     path = tmp_path / "p"
-    proc = run_py(f"""
-        import os, signal, torch
-        from memory_pool import MemoryPool
-        pool = MemoryPool.create({str(path)!r}, tier="pmem")
-        pool.create_table("t", {ROWS}, {DIM}, init="uniform", seed=5)
-        pool.create_table("t.adagrad", {ROWS}, 1, init="zeros")
-        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
-        pool.persist()
-        os.kill(os.getpid(), signal.SIGKILL)
-    """, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pool, arena = open_cached(path)
-    try:
-        assert pool.fresh.count("t") == ROWS - 4
-        arena.prefetch([torch.arange(6)])
-        g = arena.groups[0]
-        assert torch.equal(g.slots[0][g.row_slot[:4].to(torch.int64)], torch.full((4, DIM), 3.0))
-        assert arena.stats.rows_created == 2
-    finally:
-        pool.close()
+    writer_killed(run_py, path, create=True)
+    fresh, created, _ = cached_after_kill(path)
+    assert fresh == ROWS - 4 and created == 2
 
 
 def test_inspect_reports_the_rows_never_trained_and_leaves_the_file_to_the_writer(cli, tmp_path):

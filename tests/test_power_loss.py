@@ -648,20 +648,10 @@ def test_a_compactions_save_of_the_bitmap_is_durable_before_a_power_loss(tmp_pat
     """A compaction saves the bitmap durably before the journal's START moves past the records
     of rows 0-3: after a power loss no open clears them, and a file that came back older would
     say they are initial (``Compaction._absorb``, ``FreshRows.save``'s ``atomic_write``)."""
+    from test_fresh_rows import writer_killed
+
     path = tmp_path / "p"
     _fresh_pool(path)
-    proc = run_py(f"""
-        import os, signal, torch
-        from memory_pool import MemoryPool
-        pool = MemoryPool.open({str(path)!r})
-        pool.persist()   # (its first: the file saved again, every row still initial)
-        pool.table("t").write(torch.arange(4), torch.full((4, 4), 3.0))
-        pool.persist()
-        start = pool.journal.start_seq
-        pool.compact()
-        assert pool.journal.start_seq > start
-        os.kill(os.getpid(), signal.SIGKILL)
-    """, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    writer_killed(run_py, path, compact=True)
     values, created = _rows_after_power_on(path, torch.arange(6))
     assert torch.equal(values[:4], torch.full((4, 4), 3.0)) and created == 2
