@@ -27,6 +27,7 @@ from checkpointing.recovery import replay_witnesses
 from checkpointing.undo import loss_bits
 from memory_pool import PoolFormatError
 
+from .cores import CoreYield
 from .data import Prefetcher, make_data_source
 from .errors import ReplayMismatchError, TrainingDivergedError
 from .evaluation import eval_source, evaluate
@@ -115,6 +116,10 @@ class Trainer:
         self.ckpt = ckpt_cls(self.pool, self.live_dense_state, window=self.window_cfg, crash=self.crash, **extra)
         # A journaled pool's working copy behind a DRAM cache, kept near the budget (lookahead.py).
         self.bound = WorkingCopyBound.for_trainer(self.pool, self.model, self.ckpt, o.checkpoint)
+        # One intra-op thread fewer while a background compaction runs, where that changes no
+        # result (dlrm_cxl/cores.py). Not with several ranks or a GPU.
+        self.cores = CoreYield(self.pool, self.model, cfg.batch_size, cfg.num_dense) \
+            if self.dist is None and o.device == "cpu" else None
         self.after_step: Callable[[int], None] | None = None   # (dlrm_cxl.replay's crash test)
         self.replayed = 0
         # Committed steps after the pool's recovery point (recovery windows): re-run and checked.
@@ -209,6 +214,8 @@ class Trainer:
         order of the checkpointer around it). ``plan``: ``self.plan(batch)`` if the caller made
         it already."""
         ck = self.ckpt
+        if self.cores is not None:
+            self.cores.before_step()
         ck.begin_step(k)
         try:
             with _phase("plan"):
@@ -365,6 +372,8 @@ class Trainer:
         return evaluate(self.model, source, batches)
 
     def close(self) -> None:
+        if getattr(self, "cores", None) is not None:
+            self.cores.restore()
         try:
             self.ckpt.close()
         finally:

@@ -1,0 +1,70 @@
+"""A core for the background compaction (dlrm_cxl/cores.py): the steps run on one intra-op
+thread fewer while a compaction runs, only where the result is the same bit for bit."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dlrm_cxl.cores import CoreYield, thread_count_invariant
+from dlrm_cxl.model import PRESETS
+from dlrm_cxl.options import TrainOptions
+from dlrm_cxl.trainer import Trainer
+
+TINY = PRESETS["tiny"]
+
+
+def _run(pool, monkeypatch, yield_core: str):
+    """`tiny` on emulated pmem, 2 threads, a compaction every 64 KiB of journal (so that steps
+    meet running ones): its digest and the steps run on one thread fewer."""
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", str(64 / 1024))
+    monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", str(32 / 1024))
+    monkeypatch.setenv("DLRM_CXL_YIELD_CORE", yield_core)
+    before = torch.get_num_threads()
+    t = Trainer(TrainOptions(pool=str(pool), steps=40, threads=2, progress=False, tier="pmem", window=2),
+                TINY, log=lambda s: None)
+    try:
+        t.run()
+        return t.digest(), t.cores.steps_yielded, t.pool.stats.compactions
+    finally:
+        t.close()
+        torch.set_num_threads(before)
+
+
+def test_steps_during_a_compaction_run_on_one_thread_fewer_and_train_bit_identically(tmp_path, monkeypatch):
+    digest, yielded, compactions = _run(tmp_path / "yield", monkeypatch, "1")
+    ref, none, _ = _run(tmp_path / "keep", monkeypatch, "0")
+    assert compactions > 3 and yielded > 0 and none == 0
+    assert digest == ref
+
+
+class _CountsThreads(nn.Module):
+    """A layer whose result depends on the thread count (as a reduction split by thread may)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x) + 1e-3 * torch.get_num_threads()
+
+
+def test_a_model_whose_result_depends_on_the_thread_count_keeps_every_thread(monkeypatch):
+    class Model:
+        dense_arch = _CountsThreads()
+
+    class Pool:
+        compacting = True
+
+    assert thread_count_invariant(Model(), 8, 4, 2) is False
+    Model.dense_arch = nn.Linear(4, 3)
+    assert thread_count_invariant(Model(), 8, 4, 2) is True
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        Model.dense_arch = _CountsThreads()
+        cores = CoreYield(Pool(), Model(), 8, 4)
+        cores.before_step()
+        assert not cores.enabled and cores.steps_yielded == 0 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
