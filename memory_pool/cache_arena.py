@@ -452,12 +452,12 @@ class CacheArena:
             self._advise(gi, read if peeked is None or peeked[0] is None else read[~peeked[0][0]])
         for i, (h, s) in enumerate(zip(g.homes, g.slots)):
             got = peeked[i] if peeked is not None else None
-            pm = got[0] if got is not None else torch.zeros(read.numel(), dtype=torch.bool)
-            s.index_copy_(0, into[~pm], h.index_select(0, read[~pm]))  # (read is sorted: the home read in ascending order)
+            hr, hi = (read, into) if got is None else (read[~got[0]], into[~got[0]])
+            s.index_copy_(0, hi, h.index_select(0, hr))  # (read is sorted: the home read in ascending order)
+            self.stats.bytes_read_home += hr.numel() * s.shape[1] * 4
             if got is not None:
-                s.index_copy_(0, into[pm], got[1].view(s.dtype).view(-1, s.shape[1]))
-                self.stats.rows_from_log += int(pm.sum())
-            self.stats.bytes_read_home += int((~pm).sum()) * s.shape[1] * 4
+                s.index_copy_(0, into[got[0]], got[1].view(s.dtype).view(-1, s.shape[1]))
+                self.stats.rows_from_log += got[1].shape[0]
             if new is not None:
                 s.index_copy_(0, victims[new], self._fresh[gi].values(i, miss[new]))
         self.stats.rows_created += 0 if new is None else int(new.sum())

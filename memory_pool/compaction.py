@@ -135,10 +135,18 @@ class Compaction:
             self.journal.rotate()
         seq = self.journal.next_seq if before_seq is None else before_seq
 
+        def absorb(refs):
+            # The fresh rows' file first (memory_pool/fresh.py): the next open clears the rows of
+            # the records after START, and START moves past these once this returns; every row
+            # they hold was cleared in memory before it changed. (Not in a trim's _absorb: it
+            # moves no START.)
+            self._tables.save_fresh()
+            self._absorb(refs)
+
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
             with self._image_lock:  # (never beside a bulk load into an image: images_held)
-                self.stats.bytes_compacted += self.journal.reclaim(seq, self._absorb if self._journaled else None)
+                self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self._journaled else None)
                 if self.overlay is not None:
                     self.overlay.finish()  # (after START moved: the cleaned runs' files go)
                 if self._journaled and self.journal.start_seq > self._applied:
@@ -157,10 +165,6 @@ class Compaction:
         # what is left of them is only made durable here. With a row overlay, the order of
         # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
         # then the manifest; the journal's START moves after this returns (reclaim).
-        # The fresh rows' file first (memory_pool/fresh.py): the next open clears the rows of
-        # the records after START, and START is about to move past these; every row they hold
-        # was cleared in memory before it changed.
-        self._tables.save_fresh()
         ov = self._compaction_overlay()
         try:
             if ov is not None:
@@ -237,7 +241,7 @@ class Compaction:
                     return
                 self._write_back(refs, coalesce=False)
                 self._applied = upto
-                self._tables.save_fresh()  # (before the mark moves past these records: see _absorb)
+                self._tables.save_fresh()  # (before the mark moves past these records: see compact)
                 self._vouch()
             self.stats.applies += 1
             self.stats.compact_seconds += time.perf_counter() - t0

@@ -29,7 +29,7 @@ it (``Replayer.start``). Two regimes:
   There every change reaches the images or the runs through the journal's committed records
   (a compaction, a write-back pass, a refresh: committed values only), or through a bulk load.
   So the file is saved again (:meth:`FreshRows.save`, from memory, where every row was cleared
-  before it changed) before the journal's START moves (``Compaction._absorb``), before the
+  before it changed) before the journal's START moves (``Compaction.compact``), before the
   applied mark moves (``Compaction.apply``: an open after a crash of the trainer replays only
   what follows it), at a writer's first transaction or persist (a pool made by this process
   has none yet: ``TableSet.save_fresh(once=True)``) and at a clean close; the open clears the
@@ -62,6 +62,7 @@ import torch
 
 from . import fileio
 from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc
+from .errors import DlrmCxlError
 from .initializers import INIT_VERSION, uniform_rows
 
 __all__ = ["FRESH_FILE", "InitSpec", "FreshGroup", "FreshRows"]
@@ -232,7 +233,7 @@ class FreshRows:
         path = Path(storage_dir) / FRESH_FILE
         try:
             return self._save(path, pool_id)
-        except OSError:
+        except (OSError, DlrmCxlError):  # (a full disk comes as PoolFullError: durable.raise_if_full)
             _remove_durably(path)
             return False
 
@@ -245,7 +246,8 @@ class FreshRows:
                                "bytes": b.nbytes, "crc32": zlib.crc32(b.tobytes())})
                 blobs.append(b.tobytes())
         if not tables:
-            _remove_durably(path)
+            if path.exists():  # (every removal is durable: one not there needs no sync)
+                _remove_durably(path)
             return False
         doc = json_with_crc({"pool_id": pool_id, "tables": tables})  # (the header's own checksummed JSON)
         atomic_write(path, _HEAD.pack(_MAGIC, len(doc)) + doc + b"".join(blobs))
@@ -290,8 +292,8 @@ class FreshRows:
             out = cls()
             out.note = f"{path.name} not used ({e}): every row is read from its home until the next clean close"
         if keep:  # (a journaled tier's writer: the file stays, see the module)
-            if out.note:  # (a damaged one: not read again)
-                _remove_durably(path)
+            if out.note:  # (a damaged one, never trusted: no sync needed for its removal)
+                fileio.unlink(path, missing_ok=True)
             return out
         if not remove:  # (a reader: the file stays the writer's to take)
             return out

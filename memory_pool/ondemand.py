@@ -38,7 +38,7 @@ import torch
 
 from .arena import Arena
 from .persistence import newest_mask
-from .records import row_words
+from .records import copy_rows
 from .tiers import Region
 
 __all__ = ["PendingRows"]
@@ -117,10 +117,7 @@ class PendingRows:
                 hit = torch.unique(ids[p.mask[ids]])
             if hit.numel():
                 src = self._source(p.region.row_bytes).index_select(0, p.src[torch.searchsorted(p.ids, hit)])
-                rows = p.region.tensor.view(torch.uint8).view(p.region.rows, p.region.row_bytes)
-                if row_words(rows).dtype == row_words(src).dtype:  # (a word at a time: row_words)
-                    rows, src = row_words(rows), row_words(src)
-                rows.index_copy_(0, hit, src)
+                copy_rows(p.region.tensor.view(torch.uint8).view(p.region.rows, p.region.row_bytes), hit, src)
                 p.mask[hit] = False
                 p.left -= hit.numel()
                 self._left -= hit.numel()

@@ -86,7 +86,7 @@ from .arena import PAGE, Arena
 from . import fileio
 from .durable import atomic_write, fsync_dir, json_crc_ok, json_with_crc, parse_json_object
 from .errors import PoolCorruptError
-from .records import row_words
+from .records import copy_rows
 from .overlay_compaction import DENSE_FRACTION, MAX_RUNS, NEW, OverlayCompaction, Plan
 from .runfile import BLOCK, Run, RunCorruptError, write_run
 
@@ -270,11 +270,7 @@ class Overlay(OverlayCompaction):
             rows = region.tensor.view(torch.uint8).view(region.rows, rb)
             for a in range(0, hit.numel(), chunk):
                 part = hit[a:a + chunk]
-                vals = self._values(name, part, rb)
-                if row_words(rows).dtype == row_words(vals).dtype:  # (a word at a time: row_words)
-                    row_words(rows).index_copy_(0, part, row_words(vals))
-                else:
-                    rows.index_copy_(0, part, vals)
+                copy_rows(rows, part, self._values(name, part, rb))
                 w[part] = -w[part]
                 self.pending_rows -= part.numel()
                 n += part.numel()

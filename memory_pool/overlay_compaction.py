@@ -13,7 +13,7 @@ import torch
 from .arena import PAGE
 from . import fileio
 from .durable import fsync_dir
-from .records import row_words
+from .records import copy_rows, row_words
 from .runfile import HEAD, Run, RunCorruptError, write_run
 
 __all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "MAX_RUNS"]
@@ -72,15 +72,11 @@ class OverlayCompaction:
             home = rows[(cnt * rb >= dense * PAGE)[page]]
         in_window = _isin_sorted(home, ids)
         values = torch.empty(home.numel(), rb, dtype=torch.uint8)
-        vw, rw = row_words(values), row_words(raw)   # (copies a word at a time: row_words)
-        if in_window.any():
-            vw[in_window] = rw[torch.searchsorted(ids, home[in_window])]
-        if (~in_window).any():
-            vals = self.run_values(name, home[~in_window])
-            if row_words(vals).dtype == vw.dtype:
-                vw[~in_window] = row_words(vals)
-            else:
-                values[~in_window] = vals
+        win, rest = in_window.nonzero().flatten(), (~in_window).nonzero().flatten()
+        if win.numel():
+            copy_rows(values, win, raw.index_select(0, torch.searchsorted(ids, home[win])))
+        if rest.numel():
+            copy_rows(values, rest, self.run_values(name, home[rest]))
         # A carried row that no step has read since the open is copied into the working copy
         # first: once it is written home and its run value no longer counts, a working-copy page
         # copied before would keep the image's old value of it.
@@ -99,7 +95,7 @@ class OverlayCompaction:
                 self.pending_rows -= int(torch.count_nonzero(w[home] < 0))
                 w[home] = 0
             # (under the lock: a take of a row pending from this run reads it here, _planned)
-            plan.tables[name] = [rb, entries, rw[keep].view(torch.uint8), tombs]
+            plan.tables[name] = [rb, entries, row_words(raw)[keep].view(torch.uint8), tombs]
             if entries.numel():
                 # Its slot is given when the run is written (write). A row pending from a run
                 # stays pending, from this one: a DRAM cache's trim or refresh gave the working

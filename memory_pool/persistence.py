@@ -38,7 +38,7 @@ from .durable import json_crc_ok, json_with_crc, raise_if_full
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
 from .overlay import DENSE_FRACTION
-from .records import row_words
+from .records import copy_rows
 from .tiers import shm_root
 from .threads import one_intra_op_thread
 
@@ -140,14 +140,12 @@ def latest(parts: list, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     dst = torch.empty_like(order)
     dst[order] = torch.arange(order.numel())           # where each kept position goes
     out = torch.empty(pos.numel(), parts[0][1].shape[1], dtype=torch.uint8)
-    words = row_words(out)   # (the copies a word at a time, not a byte: row_words)
     bounds = torch.tensor([0] + [p[0].numel() for p in parts]).cumsum(0)
     cuts = torch.searchsorted(pos, bounds).tolist()
     for k, (_, raw) in enumerate(parts):
         a, b = cuts[k], cuts[k + 1]
         if a < b:
-            src = raw.index_select(0, pos[a:b] - int(bounds[k]))
-            words.index_copy_(0, dst[a:b], row_words(src))
+            copy_rows(out, dst[a:b], raw.index_select(0, pos[a:b] - int(bounds[k])))
     return kept, out
 
 
@@ -165,10 +163,7 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
         if not bool(m.all()):
             sel = m.nonzero().flatten()
             pid, raw = pid[sel], raw.index_select(0, sel)
-        if row_words(raw).dtype == row_words(rows).dtype:
-            row_words(rows).index_copy_(0, pid, row_words(raw))
-        else:
-            rows.index_copy_(0, pid, raw)
+        copy_rows(rows, pid, raw)
         written += pid.numel()
     return written
 

@@ -178,22 +178,18 @@ class Replayer:
         got = ov.peek(name, ids) if ov is not None and ov.pending_rows else None
         if p is None:
             return got
-        rest = ids if got is None else ids[~got[0]]
-        jr = p.peek(name, rest) if rest.numel() else None
+        if got is None:
+            return p.peek(name, ids)
+        rest = (~got[0]).nonzero().flatten()
+        jr = p.peek(name, ids[rest]) if rest.numel() else None
         if jr is None:
             return got
-        if got is None:
-            return jr
-        mask = got[0].clone()
-        at = (~got[0]).nonzero().flatten()
-        mask[at[jr[0]]] = True
-        vals = torch.empty(int(mask.sum()), got[1].shape[1], dtype=torch.uint8)
-        ov_pos = torch.zeros(ids.numel(), dtype=torch.bool)
-        ov_pos[got[0]] = True
-        sel = ov_pos[mask]                       # (of the hits, in ids order: a run's or the journal's)
-        vals[sel] = got[1]
-        vals[~sel] = jr[1]
-        return mask, vals
+        # Both: each hit's value at its place among ids, then the hits in ids order.
+        mask, vals = got[0].clone(), torch.empty(ids.numel(), got[1].shape[1], dtype=torch.uint8)
+        vals[got[0]] = got[1]
+        mask[rest[jr[0]]] = True
+        vals[rest[jr[0]]] = jr[1]
+        return mask, vals[mask]
 
     def ready_rows(self, name: str, ids: torch.Tensor | None = None) -> None:
         """:meth:`ready` for rows ``ids`` of table ``name`` (None: all of them)."""

@@ -203,7 +203,13 @@ class TableSet(Mapping):
         the pool's close lets the emulated power go), then release every table's region; the arena
         goes with the last reference to it."""
         if self._rows and not self._read_only and self._tier.has_files and self._by_name:
-            self.fresh.save(self._storage_dir, self._pool_id)
+            try:
+                self.fresh.save(self._storage_dir, self._pool_id)
+            except OSError:
+                # (a save that failed and whose file could not be removed either: the file
+                # saved last still holds -- START moved only after it -- and the rows changed
+                # since are in the journal, which the next open clears: memory_pool/fresh.py)
+                pass
         for t in self._by_name.values():
             t.close()
         self.arena = None

@@ -186,12 +186,36 @@ def test_a_killed_writers_trained_rows_are_read_and_only_a_journaled_tier_keeps_
 def test_a_compaction_saves_the_bitmap_before_the_journal_lets_go_of_its_rows(tmp_path, run_py):
     """Once a compaction has moved the journal's START past a record, no open clears its
     rows: the bitmap saved before that move must show them trained. Without the save
-    (``Compaction._absorb``) the clean close's file says rows 0-3 are initial, and the cache
+    (``Compaction.compact``) the clean close's file says rows 0-3 are initial, and the cache
     creates them."""
     path = make_pool(tmp_path / "p", "pmem")
     writer_killed(run_py, path, compact=True)
     fresh, created, journaled = cached_after_kill(path)
     assert journaled == 0 and fresh == ROWS - 4 and created == 2   # (nothing left for the open to clear)
+
+
+def test_a_write_back_pass_saves_the_bitmap_before_the_applied_mark_moves_past_its_rows(tmp_path, run_py):
+    """On emulated pmem a write-back pass writes sealed journal records into the images' page
+    cache and moves the applied mark past them; an open after a crash of the trainer replays
+    only what follows the mark, so it clears none of those rows: the bitmap saved before the
+    mark moved must show them trained (``Compaction.apply``; a SIGKILL, which keeps the page
+    cache the mark vouches for). Without that save the cache creates rows 0-3."""
+    path = make_pool(tmp_path / "p", "pmem")
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.open({str(path)!r})
+        pool.persist()   # (its first: the file saved again, every row still initial)
+        pool.table("t").write(torch.arange(4), torch.full((4, {DIM}), 3.0))
+        pool.persist()
+        pool.journal.rotate()
+        assert pool.keeps_applied_mark and pool.overlay_bound == 0
+        pool.apply(wait=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    fresh, created, journaled = cached_after_kill(path)
+    assert journaled == 0 and fresh == ROWS - 4 and created == 2   # (the mark: nothing replayed)
 
 
 def test_a_pool_made_by_a_writer_that_is_killed_keeps_its_bitmap(tmp_path, run_py):

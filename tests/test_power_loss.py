@@ -647,7 +647,7 @@ def test_a_bulk_loads_removal_of_the_bitmap_is_durable_before_a_power_loss(tmp_p
 def test_a_compactions_save_of_the_bitmap_is_durable_before_a_power_loss(tmp_path, run_py):
     """A compaction saves the bitmap durably before the journal's START moves past the records
     of rows 0-3: after a power loss no open clears them, and a file that came back older would
-    say they are initial (``Compaction._absorb``, ``FreshRows.save``'s ``atomic_write``)."""
+    say they are initial (``Compaction.compact``, ``FreshRows.save``'s ``atomic_write``)."""
     from test_fresh_rows import writer_killed
 
     path = tmp_path / "p"
@@ -655,3 +655,62 @@ def test_a_compactions_save_of_the_bitmap_is_durable_before_a_power_loss(tmp_pat
     writer_killed(run_py, path, compact=True)
     values, created = _rows_after_power_on(path, torch.arange(6))
     assert torch.equal(values[:4], torch.full((4, 4), 3.0)) and created == 2
+
+
+def _compacted_without_a_file(run_py, path, *, first: str, before_compact: str = ""):
+    """A writer of ``path`` runs ``first``, trains rows 0-3 of ``t`` to 3.0, persists, runs
+    ``before_compact`` and has a compaction move START past them, which must leave no
+    ``fresh.bits``; it is killed; after the power comes back rows 0-3 must read 3.0, none created."""
+    proc = run_py(f"""import os, signal, torch
+from memory_pool import MemoryPool
+pool = MemoryPool.open({str(path)!r})
+{first}
+pool.table("t").write(torch.arange(4), torch.full((4, 4), 3.0))
+pool.persist()
+{before_compact}
+pool.compact()
+assert not os.path.exists(os.path.join({str(path)!r}, "fresh.bits"))
+os.kill(os.getpid(), signal.SIGKILL)
+""", check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    values, created = _rows_after_power_on(path, torch.arange(6))
+    assert torch.equal(values[:4], torch.full((4, 4), 3.0)) and created == 0
+
+
+def test_a_failed_save_of_the_bitmap_removes_the_old_file_durably_before_the_journal_moves_on(tmp_path, run_py):
+    """A save that fails (here the temporary file's name is taken by a directory: the write
+    fails with EISDIR, as a full disk would fail it) removes the file saved before, durably:
+    the compaction then moves START past rows 0-3, and that older file, back after a power loss,
+    would say they are initial (``FreshRows.save``'s ``_remove_durably``)."""
+    path = tmp_path / "p"
+    _fresh_pool(path)
+    _compacted_without_a_file(run_py, path, first="pool.persist()  # (the file saved again, every row initial)",
+                              before_compact=f"os.mkdir({str(path / '.fresh.bits.tmp')!r})  # (no save can write)")
+
+
+def test_a_save_with_no_bitmap_left_removes_the_old_file_durably(tmp_path, run_py):
+    """Handing the tables' memory out without a cache (``arena_tensor``: the uncached fused
+    kernels) drops every bitmap; the next save then has nothing to write and removes the file
+    saved before, durably -- else a power loss brings back a file that says the rows written
+    since are initial (``FreshRows._save``'s ``_remove_durably``)."""
+    path = tmp_path / "p"
+    _fresh_pool(path)
+    _compacted_without_a_file(run_py, path, first="pool.arena_tensor()")
+
+
+def test_a_direct_tiers_open_removes_the_bitmap_durably(watched):
+    """On a direct tier (shm, real pmem) rows change in place and nothing lists them, so a
+    writer's open removes the file before anything changes, and durably: after a power loss
+    it must not come back (``FreshRows.load``'s ``_remove_durably``; real pmem is not on this
+    machine, so the emulated power loss of a watched directory stands in)."""
+    from memory_pool.fresh import FRESH_FILE, FreshRows, InitSpec
+
+    spec = InitSpec("zeros")
+    fresh = FreshRows()
+    fresh.add("t", 64, spec)
+    assert fresh.save(watched, "pool-id")
+    loaded = FreshRows.load(watched, "pool-id", {"t": 64}, {"t": spec}, remove=True)
+    assert loaded.count("t") == 64 and not (watched / FRESH_FILE).exists()
+    fileio.unwatch(watched)
+    fileio.power_on(watched)
+    assert not (watched / FRESH_FILE).exists()
