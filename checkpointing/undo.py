@@ -152,6 +152,7 @@ class UndoLogCheckpointer(Checkpointer):
         self._released = self._durable_commit
         self.window_start = self._durable_commit   # the newest recovery point handed over
         self._txn_start: dict[int, int] = {t.tag: t.first_seq for t in commits[-4:]}
+        self._compact_soon = False   # compact at the next recovery point, whatever the journal holds
         self._lock = threading.Lock()
         self._broken: str | None = None
         # The rows the window has touched (writer thread): on direct tiers, to log each one's
@@ -398,7 +399,7 @@ class UndoLogCheckpointer(Checkpointer):
     def _maybe_compact(self) -> None:
         if self.pool.compacting:
             return
-        if self.journal.live_bytes < self.compact_bytes:
+        if self.journal.live_bytes < self.compact_bytes and not self._compact_soon:
             if self.apply_bytes is not None and self.pool.keeps_applied_mark:
                 # Sealed segments worth apply_bytes: their rows into the images' page cache now,
                 # so that a crash of the trainer replays only what follows (a no-op otherwise;
@@ -414,7 +415,15 @@ class UndoLogCheckpointer(Checkpointer):
             # (writer thread, between transactions) a new segment first: the one being appended
             # to is never reclaimed, and segments may be larger than the threshold.
             self.journal.rotate()
+            self._compact_soon = False
             self.pool.compact(seq, wait=False)
+
+    def compact_soon(self) -> None:
+        """Start a background compaction at the next recovery point, however little the journal
+        holds (the trainer's thread; read on the writer's, after that point's commit). A DRAM
+        cache's trim asks for one, and trims once it is over: then it writes home only the rows
+        committed since (``dlrm_cxl.lookahead.WorkingCopyBound``)."""
+        self._compact_soon = True
 
     def _release(self, ends: bool) -> None:
         """At a window's end, the next window's length (on this thread: the schedule is the

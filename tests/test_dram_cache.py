@@ -389,6 +389,34 @@ def test_refreshing_or_trimming_a_journaled_working_copy_keeps_every_row(root, u
 
 
 @pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_a_trim_for_dirty_slots_comes_right_after_the_compaction_it_asks_for(root, uncached, tier, monkeypatch):
+    """Dirty slots past ``TRIM_EARLY_AT_DIRTY`` ask the checkpointer for a compaction (the
+    journal's own threshold is out of reach here, and the immediate trim is off), and the trim
+    comes at the first recovery point after that compaction ended: every trim follows a
+    compaction of its own, the journal then holds only what was committed since, and every row
+    stays right."""
+    from memory_pool.pool import MemoryPool as Pool
+
+    monkeypatch.setattr(cache_arena, "DIRTY_FROM_HOME_BYTES", 0)  # (tiny's dirtiness counts)
+    monkeypatch.setattr(WorkingCopyBound, "CLEAN_AT_DIRTY", 2.0)
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", "4096")
+    seen = []  # (compactions ended, journal bytes) at each trim
+    trim = Pool.trim_working_copy
+
+    def spy(self, names, written=None):
+        if written is None:
+            seen.append((self.stats.compactions, self.journal.live_bytes))
+        return trim(self, names, written)
+
+    monkeypatch.setattr(Pool, "trim_working_copy", spy)
+    digest, summary, _ = train(root / f"early-trim-{tier}", N, tier=tier, dram_cache_bytes=BUDGET, window=WINDOW)
+    ends = [c for c, _ in seen]
+    assert len(seen) >= 2 and ends[0] >= 1 and all(a < b for a, b in zip(ends, ends[1:])), seen
+    assert summary.pool_stats["memory"]["trims"] == len(seen) and summary.pool_stats["compactions"] >= len(seen)
+    assert digest == uncached[N]
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
 @pytest.mark.parametrize("runs", ["in-place", "overlay"])
 def test_write_back_passes_refreshes_and_trims_interleaved_keep_every_row(root, uncached, tier, runs, monkeypatch):
     """Emulated pmem writes sealed journal segments back into the images between compactions
