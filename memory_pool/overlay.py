@@ -125,7 +125,10 @@ class Overlay(OverlayCompaction):
         self._open_runs: list[Run] = []
         self._sources: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # table -> (pending rows, window offsets)
         self._win = torch.zeros(NEW + 1, dtype=torch.bool)   # slot -> it names a run mapped in the window
-        self._positive: set[str] = set()   # tables that may hold entries > 0 (see repend)
+        # Tables that may hold entries > 0, and the rows that may (see repend): sorted distinct
+        # tensors and their count; None: any row may (repend scans the whole table)
+        self._positive: dict[str, list[torch.Tensor] | None] = {}
+        self._positive_n: dict[str, int] = {}
         self._strided: dict[int, torch.Tensor] = {}
         mpath = self.dir / MANIFEST
         if mpath.exists():
@@ -208,7 +211,7 @@ class Overlay(OverlayCompaction):
             j = journal_rows.get(name)
             if j is not None and j.numel():
                 w[j] = w[j].abs()        # the journal's value is newer: memory_pool.ondemand applies it
-                self._positive.add(name)
+                self._made_positive(name, None)
         self.pending_rows = sum(int(torch.count_nonzero(w < 0)) for w in self.where.values())
 
     def _where(self, name: str) -> torch.Tensor:
@@ -274,7 +277,7 @@ class Overlay(OverlayCompaction):
                 w[part] = -w[part]
                 self.pending_rows -= part.numel()
                 n += part.numel()
-            self._positive.add(name)
+            self._made_positive(name, hit)
         return n
 
     def peek(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -356,17 +359,38 @@ class Overlay(OverlayCompaction):
                 w = self.where.get(name)
                 if w is None or name not in self._positive:
                     continue
-                pos = w > 0
-                new = w == NEW
-                if bool(new.any()):
-                    pos &= ~new
+                rows = self._positive.pop(name)
+                self._positive_n.pop(name, None)
+                if rows is None:
+                    idx = (w > 0).nonzero().flatten()   # (a scan of the table: ~30 ms on `kaggle`)
                 else:
-                    self._positive.discard(name)
-                idx = pos.nonzero().flatten()
+                    # (only the rows taken or written into a run since the last repend: a
+                    # refresh at nearly every recovery point scanned every table before)
+                    idx = rows[0] if len(rows) == 1 else torch.unique(torch.cat(rows))
+                    idx = idx[w[idx] > 0]
+                new = w[idx] == NEW
+                if bool(new.any()):
+                    self._made_positive(name, idx[new])
+                    idx = idx[~new]
                 w[idx] = -w[idx]
                 n += idx.numel()
             self.pending_rows += n
         return n
+
+    def _made_positive(self, name: str, rows: torch.Tensor | None) -> None:
+        """Rows ``rows`` (sorted, distinct; None: any) of table ``name`` may now have entries > 0
+        (the lock held): the next :meth:`repend` looks at them. Past an eighth of the table's rows
+        (more memory than ``where`` itself: takes without a DRAM cache never repend) it scans."""
+        have = self._positive.get(name, [])
+        if have is None:
+            return
+        n = self._positive_n.get(name, 0) + (rows.numel() if rows is not None else 0)
+        if rows is None or n > self.regions[name].rows // 8:
+            self._positive[name] = None
+            self._positive_n.pop(name, None)
+        elif rows.numel():
+            have.append(rows)
+            self._positive[name], self._positive_n[name] = have, n
 
     def taken(self, names) -> set:
         """Those of tables ``names`` that may have rows copied in from a run since their last

@@ -104,7 +104,7 @@ class OverlayCompaction:
                 # end-of-run digest of a pool behind a cache, after a background compaction.)
                 we = self._where(name)
                 we[entries] = torch.where(we[entries] < 0, -NEW, NEW).to(torch.int8)
-                self._positive.add(name)
+                self._made_positive(name, entries)
 
     def clean(self, bound: int) -> None:
         """First in, first out: drop the oldest runs while the runs (the new one counted in)
@@ -179,8 +179,9 @@ class OverlayCompaction:
                 w = self.where.get(name)
                 if w is not None and t[1].numel():
                     # The window's rows (NEW so far) and the moved rows (pending or not, as before).
+                    # (those > 0 are listed for repend already: the window's by absorb, and a
+                    # moved row keeps its sign)
                     w[t[1]] = torch.where(w[t[1]] < 0, -run.slot, run.slot).to(torch.int8)
-                    self._positive.add(name)
         return run.nbytes
 
     def _planned(self, name: str, rows: torch.Tensor) -> torch.Tensor:

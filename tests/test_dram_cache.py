@@ -102,6 +102,37 @@ def test_a_batch_needing_more_rows_than_the_cache_holds_is_refused_and_changes_n
     pool.close()
 
 
+def test_a_step_that_admits_rows_while_a_prefetch_lets_go_of_the_lock_leaves_one_slot_per_row(tmp_path,
+                                                                                             monkeypatch):
+    """The prefetch thread lets go of the arena's lock between groups, so a step may begin in
+    between and admit rows the prefetched batch also missed: those are then stamped for the
+    planned batch, not read into a second slot."""
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (10, 10))
+    step = [torch.tensor([7]), torch.tensor([5, 6, 8])]
+    planned = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])]
+    first = arena.prefetch([torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)])  # (the step's turn)
+    still, began = CacheArena._still_missing, []
+
+    def a_step_begins(self, gi, miss, seq):
+        if gi == 1 and not began:  # (the lock let go after group 0)
+            began.append(self.begin(step, torch.cat(step), [1, 3], seq=first))
+        return still(self, gi, miss, seq)
+
+    monkeypatch.setattr(CacheArena, "_still_missing", a_step_begins)
+    seq = arena.prefetch(planned)
+    assert began and seq > first
+    g = arena.groups[1]
+    held = g.slot_row[g.slot_row >= 0]
+    assert held.numel() == len(set(held.tolist())) == 4                     # 4, 5, 6, 8 and nothing twice
+    for r in (4, 5, 6):
+        s = int(g.row_slot[r])
+        assert s >= 0 and int(g.slot_row[s]) == r and int(g.stamp[s]) >= seq  # (kept for the planned batch)
+        assert torch.equal(g.slots[0][s], members[1][0].view()[r])
+    assert arena.stats.rows_prefetched == 3 + 1                              # 1, 2, 3 and 4: not 5 or 6 again
+    pool.close()
+
+
 def test_rows_updated_then_evicted_are_read_back_updated_and_pool_writes_refresh_slots(tmp_path):
     """Write-through: a row changed in its slot reaches the home at the step's end, so an
     eviction writes nothing and a later miss reads the new value; a write to the home by the
