@@ -97,11 +97,13 @@ class WorkingCopyBound:
     MIN_ALLOWANCE = 0.125
     # The images' page cache is measured with mincore, which walks every page of them: 105 ms
     # on the trainer's thread for `kaggle`'s 8.8 GB (52 files), against 0.2 ms for RssAnon. So
-    # it is measured again only once this many times its last cost has passed (1 % of the run);
-    # in between, the last value plus a page per row and member the cache read from the home
-    # since stands in (an upper bound: with MADV_RANDOM a miss reads its own page only; ~44 MB a
-    # step on `kaggle` at a quarter).
-    MEASURE_EVERY = 100
+    # it is measured again only once this many times its last cost has passed (0.25 % of the
+    # run); in between, the last value plus a page per row and member the cache read from the
+    # home since stands in (an upper bound: with MADV_RANDOM a miss reads its own page only; ~44
+    # MB a step on `kaggle` at a quarter). That bound passes the allowance within a window or
+    # two on `kaggle`, and a refresh there costs ~14 ms against mincore's 83-105 ms: measuring
+    # more often (100 times, 1 %) took 0.66 s of the trainer's thread in 700 steps for nothing.
+    MEASURE_EVERY = 400
     PAGE = 4096
 
     # A write-back arena's slots are all made clean (``CacheArena.mark_clean``) by a trim once
