@@ -257,14 +257,13 @@ class Compaction:
         since = self._applied if overlay is None else 0
         pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
         # (a refresh's entry matters while records below it may still be written back: apply
-        # passes, which write record after record. A compaction through an overlay writes each
-        # row's newest record, never older than what a refresh wrote, and tombstones the runs'
-        # older values of every row it writes home: Overlay.absorb.)
+        # passes, record after record; and compactions, which write each row's newest record
+        # *among the segments they drop* -- older than a refresh's value where that came from a
+        # segment kept: absorb_rows treats such rows as home already.)
         self._refreshed = [e for e in self._refreshed if e[0] > self.journal.start_seq]
         if pending:
             written = absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
-                                  overlay=overlay, dense=dense, resets=self.resets,
-                                  superseded=self._refreshed if overlay is None else None)
+                                  overlay=overlay, dense=dense, resets=self.resets, superseded=self._refreshed)
             self._unsynced |= written
             # (absorb_rows' views of the segments are gone: their pages can go too)
             self.journal.forget_read(pending)
@@ -379,10 +378,12 @@ class Compaction:
         # under a working copy that reads the image -- an apply pass writes the sealed segments
         # since the applied position record after record, and a row written here could read
         # back, for seconds, the value of a window long gone: it skips these rows (absorb_rows'
-        # superseded; tests/test_applied_mark.py, tests/test_dram_cache.py). Not with a row
-        # overlay: no apply pass runs, and a compaction writes each row's newest record only.
-        if self.overlay is None and not self.overlay_bound:
-            self._refreshed.append((self.journal.next_seq, {n: ids.numpy() for n, ids in written.items() if ids.numel()}))
+        # superseded; tests/test_applied_mark.py, tests/test_dram_cache.py). So must a
+        # compaction through a row overlay: it writes each row's newest record among the
+        # segments it drops, and the segment being written when it began is kept -- a row
+        # refreshed with a value from there would read an older one back, written home in
+        # place or taken from the run (found 2026-12-05: a compaction right after a trim).
+        self._refreshed.append((self.journal.next_seq, {n: ids.numpy() for n, ids in written.items() if ids.numel()}))
         with self._image_lock:  # (home()'s mapping is dropped below: never beside a write-back)
             for name, ids in written.items():
                 r = self._tables[name].region

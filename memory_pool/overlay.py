@@ -71,7 +71,12 @@ run, sequential writes, no read. Three rules keep every row right:
   compaction tombstones the runs' older values of every row it writes home (:meth:`absorb`) --
   the journal holds their newer values until then, which a reopen replays over the runs;
 * **evicted dirty, taken first** (``CacheArena._write_back_slots``): a pending row is taken before
-  a slot's newer value is written over it, or a later read would take the run's older one.
+  a slot's newer value is written over it, or a later read would take the run's older one;
+* **refreshed, not written again by older records** (``absorb_rows``' superseded): a compaction
+  writes each row's newest record among the segments it drops, and the segment being written
+  when it began is kept. A row a refresh wrote home with a value from that segment is newer than
+  all of them: the compaction neither writes it home nor into its run, and tombstones it as a
+  row written home (``absorb(home_already=)``).
 """
 
 from __future__ import annotations

@@ -46,11 +46,15 @@ class OverlayCompaction:
             raise RuntimeError(f"the row overlay is unusable after an error ({self.broken}): reopen the pool")
         self._plan = Plan(self.next_gen)
 
-    def absorb(self, name: str, ids: torch.Tensor, raw: torch.Tensor, *, dense: float = DENSE_FRACTION) -> None:
+    def absorb(self, name: str, ids: torch.Tensor, raw: torch.Tensor, *, dense: float = DENSE_FRACTION,
+               home_already: torch.Tensor | None = None) -> None:
         """A compaction's newest values of table ``name`` (``ids`` sorted and distinct, ``raw``
         their rows): the pages where at least ``dense`` of the bytes changed -- carried rows
         counted in -- go home in place (their carried rows with them, from their runs); every
-        other row goes into the new run."""
+        other row goes into the new run. ``home_already`` (sorted, distinct, none in ``ids``):
+        rows whose image holds a newer value than these records (a refresh wrote it:
+        ``absorb_rows``' superseded): no run value of theirs counts any more, tombstoned as
+        rows written home are."""
         plan, region = self._plan, self.regions[name]
         rb = region.row_bytes
         per = PAGE // rb
@@ -86,14 +90,18 @@ class OverlayCompaction:
             plan.home_tables.add(name)
         # (every row written home: a row a refresh wrote home is 0 in ``where`` and may still
         # have an older value in a run; write() keeps the tombstones a surviving run needs)
-        tombs = home if w is not None and home.numel() else torch.empty(0, dtype=torch.int64)
+        if home_already is not None and home_already.numel():
+            home_all = torch.unique(torch.cat([home, home_already]))
+        else:
+            home_all = home
+        tombs = home_all if w is not None and home_all.numel() else torch.empty(0, dtype=torch.int64)
         keep = ~_isin_sorted(ids, home)
         entries = ids[keep]
         with self._lock:
             if w is not None:
                 # (pending again meanwhile, if a refresh ran beside this compaction: repend)
-                self.pending_rows -= int(torch.count_nonzero(w[home] < 0))
-                w[home] = 0
+                self.pending_rows -= int(torch.count_nonzero(w[home_all] < 0))
+                w[home_all] = 0
             # (under the lock: a take of a row pending from this run reads it here, _planned)
             plan.tables[name] = [rb, entries, row_words(raw)[keep].view(torch.uint8), tombs]
             if entries.numel():

@@ -181,22 +181,34 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     the dense pages home and keeps the other rows for its new run (``dense``: its threshold).
     ``superseded`` (``[(seq, {table: sorted rows})]``, ``Compaction.refresh``): those rows of a
     table were written into its image with their newest value as of sequence number ``seq``:
-    a record below ``seq`` no longer writes them (it would put an older value back)."""
+    a record below ``seq`` no longer writes them (it would put an older value back). With an
+    ``overlay``, a row whose every record here is superseded is home already: the overlay
+    tombstones its runs' values and takes it out of them, as for a row it writes home."""
     parts: dict[str, list] = {}
+    older = Superseded(superseded) if superseded else None
+    gone: dict[str, list] = {}
     for ref, payload in journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
         for name, ids, raw in decode_row_set(payload):
             # Views of the mapped segments, as in replay_plan (the mappings live while they do,
             # and the segments are reused only after this returns): latest() copies them once.
             if resets and ref.seq < resets.get(name, -1):
                 continue  # (older than a bulk load of the table: writing them back would undo it)
-            if superseded:
-                ids, raw = _not_superseded(superseded, ref.seq, name, ids, raw)
+            drop = older.rows(ref.seq, name, ids) if older is not None else None
+            if drop is not None:
+                if overlay is not None:
+                    gone.setdefault(name, []).append(ids[drop])
+                ids, raw = ids[~drop], raw[~drop]
             parts.setdefault(name, []).append((ids, raw))
     for name, p in parts.items():
         region = tables[name].region
         asked = region.pages_prefetched  # (cold pages asked for first: FileRegion._will_store)
         if overlay is not None:
-            overlay.absorb(name, *latest(p, region.rows), dense=dense)
+            ids, raw = latest(p, region.rows)
+            home = None
+            if name in gone:
+                home = torch.unique(torch.cat(gone[name]))
+                home = home[~torch.from_numpy(np.isin(home.numpy(), ids.numpy()))]
+            overlay.absorb(name, ids, raw, dense=dense, home_already=home)
         elif coalesce:
             stats.bytes_written_back += region.write_back(*latest(p, region.rows))
         else:
@@ -205,16 +217,36 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     return set(parts)
 
 
-def _not_superseded(superseded: list, seq: int, name: str, ids: torch.Tensor, raw: torch.Tensor):
-    """The rows of a record at ``seq`` that no later refresh wrote (see :func:`absorb_rows`)."""
-    newer = [rows[name] for at, rows in superseded if at > seq and name in rows]
-    if not newer:
-        return ids, raw
-    keep = ~np.isin(ids.numpy(), np.concatenate(newer) if len(newer) > 1 else newer[0])
-    if keep.all():
-        return ids, raw
-    keep = torch.from_numpy(keep)
-    return ids[keep], raw[keep]
+class Superseded:
+    """The rows refreshes wrote into the images (``[(seq, {table: sorted rows})]``,
+    ``Compaction.refresh``), per table: sorted, each with the newest such sequence number --
+    one lookup a record (a compaction reads thousands), not one per refresh."""
+
+    def __init__(self, entries: list):
+        per: dict[str, list] = {}
+        for at, rows in entries:
+            for name, r in rows.items():
+                per.setdefault(name, []).append((r, np.full(r.size, at, dtype=np.int64)))
+        self.tables = {}
+        for name, got in per.items():
+            rows = np.concatenate([g[0] for g in got])
+            seqs = np.concatenate([g[1] for g in got])
+            order = np.lexsort((seqs, rows))
+            rows, seqs = rows[order], seqs[order]
+            last = np.append(rows[1:] != rows[:-1], True)  # (each row's newest refresh)
+            self.tables[name] = (rows[last], seqs[last])
+
+    def rows(self, seq: int, name: str, ids: torch.Tensor) -> torch.Tensor | None:
+        """Which of ``ids`` (a record at ``seq`` of table ``name``) a later refresh wrote: a
+        bool mask, or None when none did."""
+        t = self.tables.get(name)
+        if t is None or not ids.numel():
+            return None
+        rows, seqs = t
+        x = ids.numpy()
+        at = np.minimum(np.searchsorted(rows, x), rows.size - 1)
+        hit = (rows[at] == x) & (seqs[at] > seq)
+        return torch.from_numpy(hit) if hit.any() else None
 
 
 def compaction_error(exc: BaseException) -> BaseException:

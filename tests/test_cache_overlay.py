@@ -158,3 +158,62 @@ def test_a_trim_keeps_the_newest_recovery_point_so_a_run_behind_a_cache_resumes_
         del os.environ["DLRM_CXL_SEGMENT_MB"]
     assert trims >= 3, trims
     assert digest == train(tmp_path / "plain", 20)[0]
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_a_compaction_of_older_segments_does_not_bring_back_an_older_value_of_a_row_a_refresh_wrote(tmp_path, tier):
+    """A compaction writes each row's newest record among the segments it drops; the segment
+    being written is kept. A row a refresh wrote home with a value from the kept segment is
+    newer than any record the compaction holds: it must read that value after the compaction,
+    whether the compaction would have put the row into its run (a row alone in its page: read
+    back from the run after the next refresh made it pending) or home in place (a page of
+    rows), and after a reopen."""
+    path = tmp_path / "p"
+    pool = MemoryPool.create(path, tier=tier)
+    t = pool.create_table("t", ROWS, DIM, init="uniform", seed=1)
+    pool.bound_working_copy(["t"])
+    alone = torch.arange(3, ROWS // 2, 16)                                   # one row in a page
+    paged = torch.arange(ROWS // 2, ROWS // 2 + 64)                          # four whole pages
+    ids = torch.cat([alone, paged])
+    t.write(ids, torch.full((ids.numel(), DIM), 1.0))                        # the older records ...
+    t.persist()
+    pool.journal.rotate()                                                    # ... in a sealed segment
+    new = torch.randn(ids.numel(), DIM)
+    t.write(ids, new)                                                        # the newer, in the one written
+    t.persist()
+    assert pool.trim_working_copy(["t"], {"t": ids})                         # a refresh writes them home
+    pool.compact(pool.journal.next_seq)                                      # drops the older segment only
+    assert pool.stats.compactions == 1 and pool.journal.start_seq > 0
+    assert pool.trim_working_copy(["t"], {"t": torch.empty(0, dtype=torch.int64)})  # (repend)
+    assert torch.equal(t.read(ids), new)
+    pool.close()
+    with MemoryPool.open(path) as again:
+        assert torch.equal(again.table("t").read(ids), new)
+
+
+def test_a_power_loss_after_a_compaction_keeps_the_value_a_refresh_wrote_of_a_row_it_did_not_write(tmp_path, run_py):
+    """The rows a refresh wrote home with their newest value are left out of a later compaction
+    whose records of them are no newer (above): their image pages must then be synced by that
+    compaction, as the journal's START moves past the records. SIGKILLed on power-sim right
+    after it, everything not synced lost: the rows read what the refresh wrote."""
+    path = tmp_path / "p"
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.create({str(path)!r}, tier="power-sim")
+        t = pool.create_table("t", {ROWS}, {DIM}, init="uniform", seed=1)
+        pool.bound_working_copy(["t"])
+        ids = torch.arange(3, {ROWS}, 16)
+        t.write(ids, torch.full((ids.numel(), {DIM}), 3.0))
+        t.persist()
+        assert pool.trim_working_copy(["t"], {{"t": ids}})
+        pool.journal.rotate()
+        pool.compact(pool.journal.next_seq)
+        assert pool.stats.compactions == 1 and pool.journal.start_seq > 0
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with MemoryPool.open(path) as again:
+        ids = torch.arange(3, ROWS, 16)
+        assert torch.equal(again.table("t").read(ids), torch.full((ids.numel(), DIM), 3.0))
+        assert again.stats.rows_replayed == 0
