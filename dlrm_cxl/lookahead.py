@@ -194,7 +194,7 @@ class WorkingCopyBound:
         grown = process_memory().get("rss_anon", 0) - self.floor + self._image_cache()
         self.peak = max(self.peak, grown)
         frac = self.arena.dirty_fraction if self.arena is not None else 0.0
-        dirty = frac >= self.CLEAN_AT_DIRTY or (frac >= self.TRIM_EARLY_AT_DIRTY and self._compacted())
+        dirty = frac >= self.CLEAN_AT_DIRTY or (frac >= self.TRIM_EARLY_AT_DIRTY and self._early_trim_due())
         if grown <= self.allowance and not dirty:
             return False
         t0 = time.perf_counter()
@@ -234,7 +234,7 @@ class WorkingCopyBound:
         self.seconds += time.perf_counter() - t0
         return done
 
-    def _compacted(self) -> bool:
+    def _early_trim_due(self) -> bool:
         """Dirtiness is past TRIM_EARLY_AT_DIRTY: True once a compaction has ended since it
         passed; the first time, a compaction is asked for (unless one is running)."""
         done = self.pool.stats.compactions

@@ -272,16 +272,10 @@ class CacheArena:
             seq = self._next_seq
             self._next_seq += 1
             _, missed, cut = self._stamp_hits(rows, flat, seq)
-        read = skipped = 0
         # The lock is let go between groups: a step that begins meanwhile waits for one group's
         # reads, not the batch's (~11 ms a batch on `kaggle` at a quarter, of which its steps
         # waited ~2 ms each). Rows that step made resident in between are stamped, not read.
-        for gi in range(len(self.groups)):
-            if cut[gi + 1] > cut[gi]:
-                with self._lock:
-                    miss = self._still_missing(gi, missed[cut[gi]:cut[gi + 1]] - self._row_base[gi], seq)
-                    k = self._admit(gi, miss, seq, steal=False, batch=rows[gi]) if miss.numel() else 0
-                skipped, read = (skipped + 1, read) if k < 0 else (skipped, read + k)
+        read, skipped = self._admit_groups(rows, missed, cut, seq, steal=False, recheck=True)
         self.stats.rows_prefetched += read
         self.stats.prefetch_skipped += skipped
         self.stats.prefetch_seconds += time.perf_counter() - t0
@@ -311,7 +305,8 @@ class CacheArena:
                 self._next_seq += 1
             self._floor = seq
             self._running = seq
-            needed, misses, _ = self._admit_all(rows, flat, seq, steal=True)
+            needed, missed, cut = self._stamp_hits(rows, flat, seq)
+            misses, _ = self._admit_groups(rows, missed, cut, seq, steal=True, recheck=False)
             st = self.stats
             st.steps += 1
             st.rows_needed += needed
@@ -379,19 +374,23 @@ class CacheArena:
                 self._floor = seq + 1
 
     # -- admission (under the lock)
-    def _admit_all(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None, seq: int, *,
-                   steal: bool) -> tuple[int, int, int]:
-        """Every group's rows ``rows[g]`` resident and stamped ``seq``: the hits of all groups
-        stamped with one scatter, then each group with misses admits them (:meth:`_admit`).
-        Returns (rows needed, rows read from the home, groups skipped: ``not steal`` and no free
-        slot for their misses)."""
-        needed, missed, cut = self._stamp_hits(rows, flat, seq)
+    def _admit_groups(self, rows, missed: torch.Tensor, cut: list[int], seq: int, *, steal: bool,
+                      recheck: bool) -> tuple[int, int]:
+        """Each group's rows of ``missed`` (from :meth:`_stamp_hits`) read into slots stamped
+        ``seq`` (:meth:`_admit`), the lock taken per group (reentrant: ``begin`` holds it
+        throughout); ``recheck``: rows a step admitted since are stamped, not read
+        (:meth:`_still_missing`). Returns (rows read, groups skipped: ``not steal`` and no
+        free slot for their misses)."""
         read = skipped = 0
         for gi in range(len(self.groups)):
             if cut[gi + 1] > cut[gi]:
-                k = self._admit(gi, missed[cut[gi]:cut[gi + 1]] - self._row_base[gi], seq, steal=steal, batch=rows[gi])
+                with self._lock:
+                    miss = missed[cut[gi]:cut[gi + 1]] - self._row_base[gi]
+                    if recheck:
+                        miss = self._still_missing(gi, miss, seq)
+                    k = self._admit(gi, miss, seq, steal=steal, batch=rows[gi]) if miss.numel() else 0
                 skipped, read = (skipped + 1, read) if k < 0 else (skipped, read + k)
-        return needed, read, skipped
+        return read, skipped
 
     def _stamp_hits(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None,
                     seq: int) -> tuple[int, torch.Tensor, list[int]]:

@@ -76,7 +76,7 @@ run, sequential writes, no read. Four rules keep every row right:
   writes each row's newest record among the segments it drops, and the segment being written
   when it began is kept. A row a refresh wrote home with a value from that segment is newer than
   all of them: the compaction neither writes it home nor into its run, and tombstones it as a
-  row written home (``absorb(home_already=)``).
+  row written home (``absorb(superseded=)``).
 """
 
 from __future__ import annotations

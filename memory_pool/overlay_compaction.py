@@ -47,14 +47,14 @@ class OverlayCompaction:
         self._plan = Plan(self.next_gen)
 
     def absorb(self, name: str, ids: torch.Tensor, raw: torch.Tensor, *, dense: float = DENSE_FRACTION,
-               home_already: torch.Tensor | None = None) -> None:
+               superseded: torch.Tensor | None = None) -> None:
         """A compaction's newest values of table ``name`` (``ids`` sorted and distinct, ``raw``
         their rows): the pages where at least ``dense`` of the bytes changed -- carried rows
         counted in -- go home in place (their carried rows with them, from their runs); every
-        other row goes into the new run. ``home_already`` (sorted, distinct, none in ``ids``):
-        rows whose image holds a newer value than these records (a refresh wrote it:
-        ``absorb_rows``' superseded): no run value of theirs counts any more, tombstoned as
-        rows written home are."""
+        other row goes into the new run. ``superseded`` (sorted, distinct): rows of records left
+        out because a refresh wrote a newer value into the image (``absorb_rows``); those not
+        in ``ids`` (no record here newer than the refresh) are home already: no run value of
+        theirs counts any more, tombstoned as rows written home are."""
         plan, region = self._plan, self.regions[name]
         rb = region.row_bytes
         per = PAGE // rb
@@ -90,6 +90,7 @@ class OverlayCompaction:
             plan.home_tables.add(name)
         # (every row written home: a row a refresh wrote home is 0 in ``where`` and may still
         # have an older value in a run; write() keeps the tombstones a surviving run needs)
+        home_already = superseded[~_isin_sorted(superseded, ids)] if superseded is not None else None
         if home_already is not None and home_already.numel():
             home_all = torch.unique(torch.cat([home, home_already]))
         else:

@@ -182,8 +182,8 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     ``superseded`` (``[(seq, {table: sorted rows})]``, ``Compaction.refresh``): those rows of a
     table were written into its image with their newest value as of sequence number ``seq``:
     a record below ``seq`` no longer writes them (it would put an older value back). With an
-    ``overlay``, a row whose every record here is superseded is home already: the overlay
-    tombstones its runs' values and takes it out of them, as for a row it writes home."""
+    ``overlay``, the rows left out go to :meth:`Overlay.absorb` too (``superseded``): one whose
+    every record here was left out is home already."""
     parts: dict[str, list] = {}
     older = Superseded(superseded) if superseded else None
     gone: dict[str, list] = {}
@@ -203,12 +203,8 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
         region = tables[name].region
         asked = region.pages_prefetched  # (cold pages asked for first: FileRegion._will_store)
         if overlay is not None:
-            ids, raw = latest(p, region.rows)
-            home = None
-            if name in gone:
-                home = torch.unique(torch.cat(gone[name]))
-                home = home[~torch.from_numpy(np.isin(home.numpy(), ids.numpy()))]
-            overlay.absorb(name, ids, raw, dense=dense, home_already=home)
+            overlay.absorb(name, *latest(p, region.rows), dense=dense,
+                           superseded=torch.unique(torch.cat(gone[name])) if name in gone else None)
         elif coalesce:
             stats.bytes_written_back += region.write_back(*latest(p, region.rows))
         else:
