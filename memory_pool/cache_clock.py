@@ -22,6 +22,14 @@ def clock_victims(g, m: int, floor: int, *, clean_only: bool = False) -> torch.T
     8.4 M slots). Dirty slots (a write-back arena) not with ``clean_only``. None when two turns
     of the hand find fewer than ``m``; the hand and the ref bits it passed have moved then too."""
     S = g.stamp.numel()
+    lo = g.hand
+    if g.unused == lo and m <= S - lo:
+        # Slots that never held a row, from the hand on: the clock takes them in order anyway
+        # (unstamped, clean, their bits clear); as one range, without reading their stamps.
+        g.hand = (lo + m) % S
+        g.unused = g.hand if g.hand else S
+        return torch.arange(lo, lo + m, dtype=torch.int64)
+    g.unused = S  # (the hand goes round from here: what it passes may hold rows)
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     need, looked = m, 0
     while need and looked < 2 * S:

@@ -88,6 +88,13 @@ class InitSpec:
             return torch.zeros(rows.numel(), dim, dtype=torch.float32)
         return torch.from_numpy(uniform_rows(self.seed, rows.numpy(), dim, self.scale))
 
+    def fill(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`values` of ``rows`` written into ``out`` (``[rows, dim]`` float32, contiguous)."""
+        if self.kind == "zeros":
+            out.zero_()
+        else:
+            uniform_rows(self.seed, rows.numpy(), out.shape[1], self.scale, out=out.numpy())
+
     @classmethod
     def from_dict(cls, d) -> "InitSpec | None":
         """The spec a header entry records, or None when it is not one this version can create
@@ -123,8 +130,17 @@ class FreshGroup:
             np.bitwise_and.at(self._bits, byte[hit], ~bit[hit])
         return torch.from_numpy(hit)
 
-    def values(self, member: int, rows: torch.Tensor) -> torch.Tensor:
-        return self._specs[member].values(rows, self._dims[member])
+    def create(self, member: int, rows: torch.Tensor, slots: torch.Tensor, at: torch.Tensor) -> None:
+        """Member ``member``'s initial values of ``rows`` written into ``slots`` (``[slots,
+        dim]``) at ``at`` (sorted, distinct): in place when ``at`` is one run of slots -- a
+        cache filling its never-used slots takes them in order -- else through a copy. (In
+        place: no temporary and no scatter, ~1.3 ms a batch of the prefetch thread's CPU on
+        `kaggle`, whose ~3,000 rows a batch are mostly new for its first thousands of steps.)"""
+        n = at.numel()
+        if n and int(at[-1]) - int(at[0]) + 1 == n:
+            self._specs[member].fill(rows, slots[int(at[0]):int(at[0]) + n])
+        elif n:
+            slots.index_copy_(0, at, self._specs[member].values(rows, self._dims[member]))
 
 
 class FreshRows:

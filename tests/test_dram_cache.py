@@ -133,6 +133,31 @@ def test_a_step_that_admits_rows_while_a_prefetch_lets_go_of_the_lock_leaves_one
     pool.close()
 
 
+def test_a_filling_cache_takes_its_never_used_slots_in_order_as_the_clock_would_then_goes_round():
+    """While a group still has slots that never held a row, from the clock's hand on, a miss
+    takes the next of them as one range (no scan of their stamps); it is the scan's choice,
+    slot for slot, and once the hand goes round the clock scans again (second chance)."""
+    from memory_pool.cache_clock import clock_victims
+
+    def group(S):
+        return cache_arena._Group(None, [], [], torch.full((S,), -1, dtype=torch.int32),
+                                  torch.full((S,), -1, dtype=torch.int64), torch.full((S,), -1, dtype=torch.int64),
+                                  torch.zeros(S, dtype=torch.bool), torch.zeros(S, dtype=torch.bool))
+
+    fast, scan = group(10), group(10)
+    scan.unused = 10   # (the scan alone: as if the hand had gone round)
+    for seq, (m, floor, ref) in enumerate(((3, 0, None), (4, 0, None), (4, 2, None), (2, 9, 1))):
+        if ref is not None:
+            fast.ref[ref] = scan.ref[ref] = True   # (slot 1's row needed again: passed over once)
+        a, b = clock_victims(fast, m, floor), clock_victims(scan, m, floor)
+        assert a is not None and torch.equal(a, b) and fast.hand == scan.hand, (seq, a, b)
+        fast.stamp[a] = scan.stamp[b] = seq
+        if seq == 0:
+            assert fast.unused == 3 and fast.hand == 3   # (the range: taken without a scan)
+    assert fast.unused == 10                              # (gone round: scans from then on)
+    assert a.tolist() == [2, 3]                           # (slot 1 kept: its second chance)
+
+
 def test_rows_updated_then_evicted_are_read_back_updated_and_pool_writes_refresh_slots(tmp_path):
     """Write-through: a row changed in its slot reaches the home at the step's end, so an
     eviction writes nothing and a later miss reads the new value; a write to the home by the
