@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     base = next((r["samples_per_s"] for r in results if r["variant"] == "memory"), None)
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
-          f"{'dev MB/st':>9} {'made/st':>7} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
+          f"{'dev MB/st':>9} {'made/st':>7} {'evict/st':>8} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
           f"{'trim/refr':>9} {'copy MB peak':>12}" + (f" {'DRAM MB peak':>12}" if a.peak_every > 0 else ""))
     for r in results:
         c, m = r.get("cache"), r["memory"]
@@ -303,12 +303,13 @@ def main(argv=None) -> int:
                  f"{c['home_read_bytes_per_step'] / 1e6:.2f}" if c else "-",
                  f"{dev / 1e6:.2f}" if dev is not None else "-",
                  f"{c['rows_created'] / a.steps:,.0f}" if c else "-",
+                 f"{c['evictions'] / a.steps:,.0f}" if c else "-",
                  f"{m.get('rss_anon', 0) / 1e6:.1f}", f"{m['pool_page_cache_bytes'] / 1e6:.1f}",
                  f"{(m['dram_bytes'] or 0) / 1e6:.1f}", f"{budget / 1e6:.1f}" if r["budget_bytes"] else "-",
                  f"{m['shm_device_bytes'] / 1e6:.1f}",
                  f"{m['trims']}/{m['refreshes']}" if "trims" in m else "-",
                  f"{m['peak_working_copy_bytes'] / 1e6:.1f}" if "peak_working_copy_bytes" in m else "-"]
-        widths = [12, 10, 8, 8, 8, 10, 9, 7, 8, 9, 8, 9, 10, 9, 12]
+        widths = [12, 10, 8, 8, 8, 10, 9, 7, 8, 8, 9, 8, 9, 10, 9, 12]
         if a.peak_every > 0:
             cells.append(f"{m.get('peak_dram_bytes', 0) / 1e6:.1f}")
             widths.append(12)
@@ -316,6 +317,7 @@ def main(argv=None) -> int:
     print("\nDRAM = anonymous memory + the pool files' page cache (the whole process: torch, the MLPs, the "
           "journal's buffers included); shm dev = the shm region, the emulated CXL device, outside the budget; "
           "made/st = missed rows created from the initializer a step, not read (memory_pool/fresh.py); "
+          "evict/st = rows evicted a step (0 while never-used slots remain); "
           "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row home: the row overlay's runs, the dense pages in place) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
           "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)" +
           ("; DRAM MB peak = the most DRAM sampled while the variant trained (--peak-every)" if a.peak_every > 0 else ""))
