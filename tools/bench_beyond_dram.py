@@ -26,6 +26,8 @@ Usage::
 
     python tools/bench_beyond_dram.py --preset small --steps 40        # what the README's table ran
     python tools/bench_beyond_dram.py                                   # kaggle, 1/4: 2.2 GB (the lead's run)
+    python tools/bench_beyond_dram.py --warmup 300 --steps 300 --variants memory,pmem+cache --rounds 4
+                                        # alternating, a ratio per round and their median (noise)
     python tools/bench_beyond_dram.py --larger-than-ram --root /mnt/big # see below; not run in the suite
 
 ``--larger-than-ram``: ``kaggle`` with the smallest row width (128, 256, ... floats) whose tables,
@@ -242,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-every", type=float, default=0.0,
                     help="also sample the DRAM each variant uses (RssAnon + the pool files' page cache) every this many "
                          "seconds while it trains, and print the peak (0: off; sampling costs some CPU)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variants this many times, every other round in reverse order; each ratio is "
+                         "against its own round's memory run, and the median ratio is printed (this VM is noisy)")
     ap.add_argument("--checkpoint", choices=("undo", "none"), default="undo",
                     help="none: no recovery points in any variant (what the cache costs without the tier's durability)")
     ap.add_argument("--json", type=Path, default=None)
@@ -269,10 +274,13 @@ def main(argv=None) -> int:
         return 0
     # Each variant in a process of its own, one after the other: the resident memory of one is
     # not what the allocator kept of the one before, and only one model's tables exist at a time.
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     results = []
     ks = [int(x) for x in str(a.prefetch_batches).split(",")]
-    for v in variants:
-        for k in (ks if spec[v][1] is not None else ks[:1]):
+    runs = [(v, k) for v in variants for k in (ks if spec[v][1] is not None else ks[:1])]
+    for rnd in range(a.rounds):
+        for v, k in (runs if rnd % 2 == 0 else runs[::-1]):
             cmd = [sys.executable, __file__, "--one", f"{v}@{k}", "--preset", a.preset, "--fraction", str(a.fraction),
                    "--warmup", str(a.warmup), "--steps", str(a.steps), "--root", str(root)]
             cmd += ["--threads", str(a.threads)] if a.threads else []
@@ -286,9 +294,10 @@ def main(argv=None) -> int:
                 return 1
             r = json.loads(line[-1][7:])
             r["variant"] = f"{v}@{k}" if spec[v][1] is not None and len(ks) > 1 else v
+            r["round"] = rnd
             results.append(r)
             print(json.dumps({x: r[x] for x in ("variant", "samples_per_s", "median_step_ms")}), flush=True)
-    base = next((r["samples_per_s"] for r in results if r["variant"] == "memory"), None)
+    base = {r["round"]: r["samples_per_s"] for r in results if r["variant"] == "memory"}
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
           f"{'dev MB/st':>9} {'made/st':>7} {'evict/st':>8} {'anon MB':>8} {'pcache MB':>9} {'DRAM MB':>8} {'budget MB':>9} {'shm dev MB':>10} "
@@ -297,7 +306,7 @@ def main(argv=None) -> int:
         c, m = r.get("cache"), r["memory"]
         dev = r["device_read_bytes_per_step"]
         cells = [r["variant"], f"{r['samples_per_s']:,.0f}",
-                 f"{r['samples_per_s'] / base:.2f}" if base else "-",
+                 f"{r['samples_per_s'] / base[r['round']]:.2f}" if r["round"] in base else "-",
                  f"{c['hit_rate']:.1%}" if c else "-",
                  f"{c['wait_ms_per_step']:.2f}" if c else "-",
                  f"{c['home_read_bytes_per_step'] / 1e6:.2f}" if c else "-",
@@ -321,6 +330,13 @@ def main(argv=None) -> int:
           "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row home: the row overlay's runs, the dense pages in place) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
           "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)" +
           ("; DRAM MB peak = the most DRAM sampled while the variant trained (--peak-every)" if a.peak_every > 0 else ""))
+    if a.rounds > 1 and base:
+        print(f"\nover {a.rounds} rounds (every other one in reverse order), each against its own round's memory run:")
+        for v in dict.fromkeys(r["variant"] for r in results if r["variant"] != "memory"):
+            ratios = sorted(r["samples_per_s"] / base[r["round"]] for r in results
+                            if r["variant"] == v and r["round"] in base)
+            print(f"  {v}: median {statistics.median(ratios):.2f}x of memory (" +
+                  ", ".join(f"{x:.2f}" for x in ratios) + ")")
     floor = None
     if a.device_floor:
         rates = {k: random_read_rate(root, k) for k in (1, 16)}

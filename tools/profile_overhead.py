@@ -9,7 +9,7 @@ on a disk home behind a DRAM cache, the misses on the prefetch thread against th
 write-backs on the trainer's); and the wall time per step spent in the checkpointer's and the
 cache's main calls (timed by wrapping them: ``WindowRows.first_touch``, ``Transaction.undo``,
 ``UndoLogCheckpointer.log_before_image`` / ``commit``, ``CacheArena.begin`` / ``end`` /
-``prefetch`` / ``_admit_all``), by the thread that made them.
+``prefetch`` / ``_admit_groups``), by the thread that made them.
 
     python tools/profile_overhead.py                                  # small, shm, undo
     python tools/profile_overhead.py --checkpoint none                # the same without the undo log
@@ -44,7 +44,7 @@ from memory_pool import destroy_pool  # noqa: E402
 TIMED = [(window.WindowRows, "first_touch"), (transaction.Transaction, "undo"),
          (undo.UndoLogCheckpointer, "log_before_image"), (undo.UndoLogCheckpointer, "commit"),
          (cache_arena.CacheArena, "begin"), (cache_arena.CacheArena, "end"),
-         (cache_arena.CacheArena, "prefetch"), (cache_arena.CacheArena, "_admit_all")]
+         (cache_arena.CacheArena, "prefetch"), (cache_arena.CacheArena, "_admit_groups")]
 
 
 class Timers:
