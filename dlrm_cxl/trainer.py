@@ -209,6 +209,21 @@ class Trainer:
             return self.model.plan(batch.sparse, fused=True, rows=self.ckpt.needs_touched or self.pool.rows_pending > 0)
         return self.model.plan(batch.sparse)
 
+    def run_step(self, k: int, batch, position, plan) -> tuple[float, float]:
+        """Step ``k`` as :meth:`run` drives it (and the benchmarks that time it): the batch's data
+        position recorded, the step trained, its time given to the checkpointer (the recovery
+        window follows the measured step time), then a journaled working copy given back at a
+        recovery point (``WorkingCopyBound``). Returns (the loss, the seconds ``train_step``
+        took)."""
+        self.set_batch_position(k, position)
+        ts = time.perf_counter()
+        loss = self.train_step(k, batch, plan)
+        seconds = time.perf_counter() - ts
+        self.ckpt.observe_step(seconds)
+        if self.bound is not None:
+            self.bound.after_commit(k)
+        return loss, seconds
+
     def train_step(self, k: int, batch, plan=None) -> float:
         """One step, the same for every kernel path (``self.path``, dlrm_cxl/step.py: the call
         order of the checkpointer around it). ``plan``: ``self.plan(batch)`` if the caller made
@@ -301,14 +316,10 @@ class Trainer:
                 with Prefetcher(self.plan_ahead(ahead), depth=o.prefetch_batches) as batches:
                     for k in range(start + 1, o.steps + 1):
                         batch, pos, plan = next(batches)
-                        self.set_batch_position(k, pos)
                         ts = time.perf_counter()
-                        losses.append(self.train_step(k, batch, plan))
+                        losses.append(self.run_step(k, batch, pos, plan)[0])
                         metrics.step(k, losses[-1])
                         last_pos = pos
-                        self.ckpt.observe_step(time.perf_counter() - ts)
-                        if self.bound is not None:
-                            self.bound.after_commit(k)
                         if self.after_step is not None:
                             self.after_step(k)
                         if self.crash is not None:

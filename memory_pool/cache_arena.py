@@ -125,7 +125,7 @@ class _Group:
     dirty: torch.Tensor     # [slots] bool: newer than the home (write-back arenas only)
     members: list = field(default_factory=list)
     hand: int = 0           # the clock's hand: the next slot it looks at
-    unused: int = 0         # slots from here on never held a row (the hand at it; else = slots)
+    untouched: bool = True  # no slot from the hand on ever held a row (the hand has not gone round)
 
 
 class CacheArena:
@@ -527,7 +527,7 @@ class CacheArena:
             g.ref.fill_(False)
             g.dirty.fill_(False)
             self._ndirty[gi] = 0
-            g.hand = g.unused = 0
+            g.hand, g.untouched = 0, True
 
     # -- write-back arenas (journaled homes; see the module)
     @property

@@ -17,19 +17,18 @@ NEVER = torch.iinfo(torch.int64).max   # a stamp no floor reaches: a slot never 
 
 def clock_victims(g, m: int, floor: int, *, clean_only: bool = False) -> torch.Tensor | None:
     """``m`` slots of group ``g`` (a ``cache_arena._Group``: its ``stamp``, ``ref``, ``dirty``
-    and ``hand``) stamped below ``floor``, chosen by the clock in chunks from the hand: O(m) a
+    ``hand`` and ``untouched``) stamped below ``floor``, chosen by the clock in chunks from the hand: O(m) a
     step, not O(slots) (a scan of every stamp: ~9 ms a step on `small`, far more on `kaggle`'s
     8.4 M slots). Dirty slots (a write-back arena) not with ``clean_only``. None when two turns
     of the hand find fewer than ``m``; the hand and the ref bits it passed have moved then too."""
     S = g.stamp.numel()
-    lo = g.hand
-    if g.unused == lo and m <= S - lo:
+    if g.untouched and m <= S - g.hand:
         # Slots that never held a row, from the hand on: the clock takes them in order anyway
         # (unstamped, clean, their bits clear); as one range, without reading their stamps.
-        g.hand = (lo + m) % S
-        g.unused = g.hand if g.hand else S
+        lo, g.hand = g.hand, (g.hand + m) % S
+        g.untouched = g.hand != 0
         return torch.arange(lo, lo + m, dtype=torch.int64)
-    g.unused = S  # (the hand goes round from here: what it passes may hold rows)
+    g.untouched = False  # (the hand goes round from here: what it passes may hold rows)
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     need, looked = m, 0
     while need and looked < 2 * S:

@@ -82,18 +82,19 @@ class InitSpec:
     scale: float = 0.0
     version: int = INIT_VERSION
 
-    def values(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
-        """The initial float32 values of ``rows`` (int64), ``[rows, dim]``."""
-        if self.kind == "zeros":
-            return torch.zeros(rows.numel(), dim, dtype=torch.float32)
-        return torch.from_numpy(uniform_rows(self.seed, rows.numpy(), dim, self.scale))
-
     def fill(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """:meth:`values` of ``rows`` written into ``out`` (``[rows, dim]`` float32, contiguous)."""
+        """The initial values of ``rows`` (int64) written into ``out`` (``[rows, dim]`` float32,
+        contiguous)."""
         if self.kind == "zeros":
             out.zero_()
         else:
             uniform_rows(self.seed, rows.numpy(), out.shape[1], self.scale, out=out.numpy())
+
+    def values(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
+        """The initial float32 values of ``rows`` (int64), ``[rows, dim]``."""
+        out = torch.empty(rows.numel(), dim, dtype=torch.float32)
+        self.fill(rows, out)
+        return out
 
     @classmethod
     def from_dict(cls, d) -> "InitSpec | None":

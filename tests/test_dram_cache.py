@@ -145,7 +145,7 @@ def test_a_filling_cache_takes_its_never_used_slots_in_order_as_the_clock_would_
                                   torch.zeros(S, dtype=torch.bool), torch.zeros(S, dtype=torch.bool))
 
     fast, scan = group(10), group(10)
-    scan.unused = 10   # (the scan alone: as if the hand had gone round)
+    scan.untouched = False   # (the scan alone: as if the hand had gone round)
     for seq, (m, floor, ref) in enumerate(((3, 0, None), (4, 0, None), (4, 2, None), (2, 9, 1))):
         if ref is not None:
             fast.ref[ref] = scan.ref[ref] = True   # (slot 1's row needed again: passed over once)
@@ -153,8 +153,8 @@ def test_a_filling_cache_takes_its_never_used_slots_in_order_as_the_clock_would_
         assert a is not None and torch.equal(a, b) and fast.hand == scan.hand, (seq, a, b)
         fast.stamp[a] = scan.stamp[b] = seq
         if seq == 0:
-            assert fast.unused == 3 and fast.hand == 3   # (the range: taken without a scan)
-    assert fast.unused == 10                              # (gone round: scans from then on)
+            assert fast.untouched and fast.hand == 3   # (the range: taken without a scan)
+    assert not fast.untouched                             # (gone round: scans from then on)
     assert a.tolist() == [2, 3]                           # (slot 1 kept: its second chance)
 
 

@@ -89,12 +89,8 @@ def measure(preset: str, burns: list[float], steps: int, warmup: int, root: Path
                 for _ in range(n):
                     k += 1
                     batch, pos, plan = next(batches)
-                    t.set_batch_position(k, pos)
                     burner.kick()
-                    s = time.perf_counter()
-                    t.train_step(k, batch, plan)
-                    times.append(time.perf_counter() - s)
-                    t.ckpt.observe_step(times[-1])
+                    times.append(t.run_step(k, batch, pos, plan)[1])
                 if phase:
                     out.append({"burn_ms": ms, "samples_per_s": n * cfg.batch_size / (time.perf_counter() - w0),
                                 "median_step_ms": 1e3 * statistics.median(times)})
@@ -120,6 +116,8 @@ def main(argv=None) -> int:
         ap.error(f"--burn takes ms values separated by commas, got {a.burn!r}")
     if not burns or any(b < 0 for b in burns):
         ap.error(f"--burn takes ms values >= 0, got {a.burn!r}")
+    if a.steps < 1 or a.warmup < 0:
+        ap.error(f"--steps must be >= 1 and --warmup >= 0, got {a.steps} and {a.warmup}")
     with tempfile.TemporaryDirectory(prefix="bench-cpu-beside-", dir=a.root) as root:
         rows = measure(a.preset, burns, a.steps, a.warmup, Path(root))
     base = [r["median_step_ms"] for r in rows if r["burn_ms"] == 0]

@@ -147,13 +147,7 @@ def run_pool(name: str, cfg, *, tier: str, budget: int | None, checkpoint: str, 
                             depth=o.prefetch_batches) as batches:
                 for k in range(start + 1, o.steps + 1):
                     batch, pos, plan = next(batches)
-                    t.set_batch_position(k, pos)
-                    ts = time.perf_counter()
-                    loss = t.train_step(k, batch, plan)
-                    metrics.step(k, loss)
-                    t.ckpt.observe_step(time.perf_counter() - ts)
-                    if t.bound is not None:
-                        t.bound.after_commit(k)
+                    metrics.step(k, t.run_step(k, batch, pos, plan)[0])
                     ends.append(time.perf_counter() - t1)
             t.ckpt.drain()
             total = time.perf_counter() - t0

@@ -116,12 +116,7 @@ def main(argv=None) -> int:
                     timers.seconds.clear()
                     (c0, r0), t0 = by_thread(), time.perf_counter()
                 batch, pos, plan = next(batches)
-                tr.set_batch_position(k, pos)
-                ts = time.perf_counter()
-                tr.train_step(k, batch, plan)
-                tr.ckpt.observe_step(time.perf_counter() - ts)  # (as Trainer.run: the window follows it)
-                if tr.bound is not None:  # (as Trainer.run: a journaled working copy given back)
-                    tr.bound.after_commit(k)
+                tr.run_step(k, batch, pos, plan)  # (as Trainer.run drives it)
             tr.ckpt.drain()
             wall, (c1, r1) = time.perf_counter() - t0, by_thread()
         n = a.steps
