@@ -420,14 +420,14 @@ class Compaction:
                     r = self._tables[n].region
                     if not r.keep_cached:
                         r.drop_cache()
-            ov.repend(names)
+            ov.repend(names, remapped=remap)
             ov.drop_cache()
 
     def _compaction_overlay(self) -> Overlay | None:
         """The overlay a compaction writes through: the pool's, or a new one when the pool
         should have one; None when it has none and should not."""
         if self.overlay is None and self._journaled and self._rows and self.overlay_bound:
-            ov = Overlay(self._storage_dir / RUNS_DIR, read_only=False)
+            ov = Overlay(self._storage_dir / RUNS_DIR, read_only=False, stats=self.stats)
             ov.attach({n: t.region for n, t in self._tables.items()}, {})
             self.overlay = ov
         return self.overlay

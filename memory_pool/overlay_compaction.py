@@ -16,12 +16,18 @@ from .durable import fsync_dir
 from .records import copy_rows, row_words
 from .runfile import HEAD, Run, RunCorruptError, write_run
 
-__all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "MAX_RUNS"]
+__all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "HOME", "MAX_RUNS"]
 
 DENSE_FRACTION = 0.25             # a page with at least this much of it changed is written home in place
 EVICT_FRACTION = 0.75             # carried rows past this much of the bound go home instead of moving on
 NEW = 127                         # ``where`` of a row going into the run being written (no run's slot)
 MAX_RUNS = NEW - 1                # slots 1..126 (``where`` is int8: half the memory an open writes)
+# ``where`` of a row a compaction wrote home in place while it was pending: its newest value is
+# the image's, and this process's working copy may hold an older one on a page it copied on
+# write -- so it stays pending, and a read takes it from the image (Overlay._values) until the
+# working copy is mapped afresh (Overlay.repend). In this process only: on disk the image holds
+# it and no run does (a tombstone, or the oldest run dropped).
+HOME = -128
 
 
 @dataclass
@@ -63,6 +69,7 @@ class OverlayCompaction:
             # The window's rows and the carried ones, sorted: one pass over the table (a mask),
             # not a sort of their union (on `kaggle` ~1 M carried rows a table).
             mask = w != 0
+            mask &= w != HOME   # (home already)
             mask.index_fill_(0, ids, True)
             rows = mask.nonzero().flatten()
             del mask
@@ -81,10 +88,6 @@ class OverlayCompaction:
             copy_rows(values, win, raw.index_select(0, torch.searchsorted(ids, home[win])))
         if rest.numel():
             copy_rows(values, rest, self.run_values(name, home[rest]))
-        # A carried row that no step has read since the open is copied into the working copy
-        # first: once it is written home and its run value no longer counts, a working-copy page
-        # copied before would keep the image's old value of it.
-        self.take(name, home)
         plan.written_home += region.write_back(home, values)
         if home.numel():
             plan.home_tables.add(name)
@@ -97,14 +100,24 @@ class OverlayCompaction:
             home_all = home
         tombs = home_all if w is not None and home_all.numel() else torch.empty(0, dtype=torch.int64)
         keep = ~_isin_sorted(ids, home)
-        entries = ids[keep]
+        if bool(keep.all()):
+            entries, kept = ids, raw
+        else:
+            # (index_select, not a mask: 0.14 s against 0.19 s for 1.5 M rows of 256 bytes,
+            # about one compaction's on `kaggle`; and no copy at all when no row goes home)
+            at = keep.nonzero().flatten()
+            entries, kept = ids.index_select(0, at), row_words(raw).index_select(0, at).view(torch.uint8)
         with self._lock:
             if w is not None:
-                # (pending again meanwhile, if a refresh ran beside this compaction: repend)
-                self.pending_rows -= int(torch.count_nonzero(w[home_all] < 0))
-                w[home_all] = 0
+                # A pending row stays pending, from the image (HOME): a page of the working copy
+                # copied on write before would keep an older value of it. (It was taken into the
+                # working copy first before: a copy-on-write fault of a home page a row, 3/4 of
+                # a compaction's CPU on `kaggle` behind a DRAM cache, where every run row is
+                # pending after a trim.) (Pending again meanwhile, if a refresh ran beside this
+                # compaction: repend.)
+                self._went_home(name, w, home_all)
             # (under the lock: a take of a row pending from this run reads it here, _planned)
-            plan.tables[name] = [rb, entries, row_words(raw)[keep].view(torch.uint8), tombs]
+            plan.tables[name] = [rb, entries, kept, tombs]
             if entries.numel():
                 # Its slot is given when the run is written (write). A row pending from a run
                 # stays pending, from this one: a DRAM cache's trim or refresh gave the working
@@ -126,7 +139,8 @@ class OverlayCompaction:
             return sum(HEAD.size + (t[1].numel() * (t[0] + 8)) + 8 * t[3].numel() for t in plan.tables.values())
 
         total = self.run_bytes + new_bytes()
-        carried = sum(int(torch.count_nonzero(w)) * (self.regions[n].row_bytes + 8) for n, w in self.where.items())
+        carried = sum(int(torch.count_nonzero((w != 0) & (w != HOME))) * (self.regions[n].row_bytes + 8)
+                      for n, w in self.where.items())
         evict = bound == 0 or carried > EVICT_FRACTION * bound
         for run in list(self.runs):
             # (and while no slot would be left for the new run: at most MAX_RUNS live runs)
@@ -139,18 +153,20 @@ class OverlayCompaction:
                 live = t.ids[w[t.ids].abs() == run.slot]
                 if not live.numel():
                     continue
-                # (pending rows into the working copy first: a pending row's value is always in
-                # one of the runs the open found, where take() finds it)
-                self.take(name, live)
                 vals = run.rows(name, live)
                 if evict:
                     # (the oldest run: no older run holds these rows, so no tombstone is needed)
                     plan.written_home += self.regions[name].write_back(live, vals)
                     plan.home_tables.add(name)
                     with self._lock:
-                        self.pending_rows -= int(torch.count_nonzero(w[live] < 0))
-                        w[live] = 0
+                        self._went_home(name, w, live)  # (a pending row: from the image, HOME)
                 else:
+                    # A pending row moves on pending: write() gives it the new run's slot with its
+                    # sign, and take() and peek() read it from there (_values). (It was taken
+                    # into the working copy here before: behind a DRAM cache, where every run
+                    # row is pending again after a trim, that was a copy-on-write fault of a
+                    # page of the home per row -- 3/4 of a compaction's CPU on `kaggle` once the
+                    # runs reached their bound.)
                     cur = plan.tables.get(name) or [t.row_bytes, torch.empty(0, dtype=torch.int64),
                                                     torch.empty(0, t.row_bytes, dtype=torch.uint8),
                                                     torch.empty(0, dtype=torch.int64)]
@@ -160,6 +176,16 @@ class OverlayCompaction:
                         plan.tables[name] = [cur[0], ids[order], torch.cat([cur[2], vals])[order], cur[3]]
             plan.cleaned.append(run)
             total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
+
+    def _went_home(self, name: str, w: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows ``rows`` (sorted, distinct) of table ``name`` were written home in place (the
+        lock held): no run value of theirs counts; a pending one stays pending, from the image
+        (``HOME``), listed for :meth:`repend`."""
+        pend = w[rows] < 0
+        w[rows] = torch.where(pend, HOME, 0).to(torch.int8)
+        homed = rows[pend]
+        if homed.numel():
+            self._homed.setdefault(name, []).append(homed)
 
     def write(self) -> int:
         """Write the new run (if it holds anything), durably; give it its slot. Returns its bytes."""

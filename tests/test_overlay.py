@@ -331,10 +331,11 @@ def test_training_through_runs_ends_with_the_digest_of_training_without_them_and
     assert resumed == plain
 
 
-def test_a_run_row_no_step_read_since_the_open_is_applied_before_its_page_goes_home(tmp_pool_dir, runs_mb):
+def test_a_run_row_no_step_read_since_the_open_is_read_from_the_image_once_its_page_goes_home(tmp_pool_dir, runs_mb):
     """A row still pending from a run when a compaction writes its page home: its run value no
-    longer counts afterwards, so it must be in the working copy first -- whose copy of that page
-    (taken when a neighbour was written) holds the image's old value of it."""
+    longer counts afterwards, and the working copy's copy of that page (taken when a neighbour
+    was written) holds the image's old value of it. It stays pending, now from the image
+    (``HOME``): the first read takes the value the compaction wrote there."""
     pool, t, ref = _new_pool(tmp_pool_dir)
     x = 30 * PER_PAGE
     _write(pool, t, ref, [x], 12)                     # x alone in its page: into a run
@@ -346,8 +347,11 @@ def test_a_run_row_no_step_read_since_the_open_is_applied_before_its_page_goes_h
         _write(p, a, ref, [x + 1, x + 2, x + 3], 13)  # the page's working copy is copied now
         assert p.rows_pending == 1                     # (x was not read)
         p.compact()                                    # 4 rows of 16: the page goes home, x from its run
-        assert p.rows_pending == 0
+        assert torch.equal(_image(tmp_pool_dir)[x], ref[x])
+        assert not torch.equal(a._region.tensor[x], ref[x])   # the working copy's page: the old value
+        assert p.rows_pending == 1                     # pending, from the image
         assert torch.equal(a.read([x]), ref[[x]])
+        assert p.rows_pending == 0
         assert torch.equal(a.view(), ref)
     with MemoryPool.open(tmp_pool_dir) as p:
         assert torch.equal(p.table("a").view(), ref)
