@@ -155,7 +155,19 @@ class OverlayCompaction:
                     continue
                 vals = run.rows(name, live)
                 if evict:
-                    # (the oldest run: no older run holds these rows, so no tombstone is needed)
+                    # Each page is read and written whole, so the rows of newer runs in the
+                    # same pages go home with these (``_page_mates``), tombstoned in the new run
+                    # where their runs outlive it: on `kaggle` at the bound most of these rows
+                    # are alone in their page of this run, not of the runs.
+                    mates = self._page_mates(name, w, live, run.slot)
+                    if mates.numel():
+                        rows = torch.cat([live, mates])
+                        order = torch.argsort(rows)
+                        live, vals = rows[order], torch.cat([vals, self.run_values(name, mates)]).index_select(0, order)
+                        cur = self._plan_table(name, t.row_bytes)
+                        with self._lock:
+                            cur[3] = torch.unique(torch.cat([cur[3], mates]))
+                    # (no older run holds this run's rows: no tombstone is needed for them)
                     plan.written_home += self.regions[name].write_back(live, vals)
                     plan.home_tables.add(name)
                     with self._lock:
@@ -167,15 +179,36 @@ class OverlayCompaction:
                     # row is pending again after a trim, that was a copy-on-write fault of a
                     # page of the home per row -- 3/4 of a compaction's CPU on `kaggle` once the
                     # runs reached their bound.)
-                    cur = plan.tables.get(name) or [t.row_bytes, torch.empty(0, dtype=torch.int64),
-                                                    torch.empty(0, t.row_bytes, dtype=torch.uint8),
-                                                    torch.empty(0, dtype=torch.int64)]
+                    cur = self._plan_table(name, t.row_bytes)
                     ids = torch.cat([cur[1], live])
                     order = torch.argsort(ids)
                     with self._lock:  # (ids and rows replaced together: _planned reads them)
                         plan.tables[name] = [cur[0], ids[order], torch.cat([cur[2], vals])[order], cur[3]]
             plan.cleaned.append(run)
             total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
+
+    def _plan_table(self, name: str, rb: int) -> list:
+        """The new run's entry for table ``name`` ([row bytes, ids, rows, tombstones]), made
+        empty if it has none yet."""
+        cur = self._plan.tables.get(name)
+        if cur is None:
+            with self._lock:
+                cur = self._plan.tables[name] = [rb, torch.empty(0, dtype=torch.int64),
+                                                 torch.empty(0, rb, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)]
+        return cur
+
+    def _page_mates(self, name: str, w: torch.Tensor, rows: torch.Tensor, slot: int) -> torch.Tensor:
+        """The rows (sorted) in the pages of ``rows`` (sorted) of table ``name`` whose newest
+        value is another live run's (not this compaction's window, ``NEW``; not home)."""
+        per = PAGE // self.regions[name].row_bytes
+        if per < 2:
+            return torch.empty(0, dtype=torch.int64)
+        pages = torch.unique_consecutive(rows // per)
+        cand = (pages.unsqueeze(1) * per + torch.arange(per)).flatten()
+        cand = cand[cand < w.numel()]
+        wc = w.index_select(0, cand)
+        slots = wc.to(torch.int16).abs_()   # (int16: abs of HOME, -128, fits)
+        return cand[(wc != 0) & (wc != HOME) & (slots != NEW) & (slots != slot)]
 
     def _went_home(self, name: str, w: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows ``rows`` (sorted, distinct) of table ``name`` were written home in place (the

@@ -141,6 +141,34 @@ def test_runs_are_cleaned_first_in_first_out_and_their_live_rows_move_on(tmp_poo
         assert torch.equal(p.table("a").view(), ref)
 
 
+def test_an_evicted_runs_rows_take_the_newer_runs_rows_of_their_pages_home_with_them(tmp_pool_dir, runs_mb):
+    """When the live rows alone pass 3/4 of the bound, the oldest run's rows go home in place --
+    a page read and written each. The rows of newer runs in those pages go with them (their
+    page is written anyway), tombstoned in the new run, so the newer run's values of them no
+    longer count: after a reopen too."""
+    runs_mb(0.07)   # three runs of ~26 KiB pass it; their 300 live rows (79 KiB) pass 3/4 of it
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    pages = torch.arange(100)
+    first, mates, other = pages * PER_PAGE, pages * PER_PAGE + 1, (pages + 100) * PER_PAGE + 2
+    for rows, seed in ((first, 30), (mates, 31), (other, 32)):   # each alone in its page, per run
+        _write(pool, t, ref, rows, seed)
+        pool.compact()
+    runs = _runs(tmp_pool_dir)
+    assert len(runs) == 2                                                  # the first run evicted
+    image = _image(tmp_pool_dir)
+    assert torch.equal(image[first], ref[first])
+    assert torch.equal(image[mates], ref[mates])                          # went home with them
+    assert not torch.equal(image[other], ref[other])                      # (a run's only)
+    newest = Run.open(tmp_pool_dir / RUNS_DIR / runs[-1])
+    assert newest.tables["a"].tombs.tolist() == mates.tolist()
+    newest.close()
+    assert torch.equal(t.view(), ref)
+    pool.close()
+    for replay in ("eager", "on-demand"):
+        with MemoryPool.open(tmp_pool_dir, replay=replay) as p:
+            assert torch.equal(p.table("a").view(), ref), replay
+
+
 def test_a_bound_of_zero_writes_every_run_row_home_and_drops_the_runs(tmp_pool_dir, runs_mb):
     pool, t, ref = _new_pool(tmp_pool_dir)
     sparse = [2 * PER_PAGE, 40 * PER_PAGE + 5, 99 * PER_PAGE + 9]
