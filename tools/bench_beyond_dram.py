@@ -28,6 +28,8 @@ Usage::
     python tools/bench_beyond_dram.py                                   # kaggle, 1/4: 2.2 GB (the lead's run)
     python tools/bench_beyond_dram.py --warmup 300 --steps 300 --variants memory,pmem+cache --rounds 4
                                         # alternating, a ratio per round and their median (noise)
+    python tools/bench_beyond_dram.py --warmup 2700 --steps 600 --variants pmem+cache,memory --every 150
+                                        # a long run, and samples/s per 150 steps: where the compactions fall
     python tools/bench_beyond_dram.py --larger-than-ram --root /mnt/big # see below; not run in the suite
 
 ``--larger-than-ram``: ``kaggle`` with the smallest row width (128, 256, ... floats) whose tables,
@@ -163,7 +165,8 @@ class PeakMemory:
 
 
 def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, warmup: int, steps: int,
-                prefetch: int, threads: int | None, peak_every: float = 0.0, checkpoint: str = "undo") -> dict:
+                prefetch: int, threads: int | None, peak_every: float = 0.0, checkpoint: str = "undo",
+                every: int = 0) -> dict:
     pool = root / name.replace("+", "-")
     o = TrainOptions(pool=str(pool), steps=warmup + steps, tier=tier, dram_cache_bytes=budget, threads=threads,
                      progress=False, prefetch_batches=prefetch, fresh=True, checkpoint=checkpoint)
@@ -181,7 +184,9 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                 os.close(fd)
             except OSError:
                 pass
-        times = []
+        times, intervals = [], []
+        ps = t.pool.stats
+        mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds)
         with PeakMemory(t.pool, peak_every) as peak, \
                 Prefetcher(t.plan_ahead(t.source.iter_batches(None)), depth=prefetch) as batches:
             for k in range(1, warmup + steps + 1):
@@ -192,13 +197,21 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                     w0 = time.perf_counter()
                 batch, pos, plan = next(batches)
                 times.append(t.run_step(k, batch, pos, plan)[1])  # (as Trainer.run drives it)
+                if every and k % every == 0:
+                    # (each stretch of steps on its own: a compaction's CPU shows in the stretch it ran in)
+                    now = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds)
+                    ov = t.pool.describe().get("overlay") or {}
+                    intervals.append({"step": k, "samples_per_s": every * cfg.batch_size / (now[0] - mark[0]),
+                                      "compactions": now[1] - mark[1], "compactor_cpu_s": now[2] - mark[2],
+                                      "run_mb": ov.get("bytes", 0) / 2**20})
+                    mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds)
             t.ckpt.drain()
         window = time.perf_counter() - w0
         io1 = io_read_bytes()
         out = {"variant": name, "tier": tier, "budget_bytes": budget, "setup_seconds": made,
                "samples_per_s": steps * cfg.batch_size / window,
                "median_step_ms": 1e3 * statistics.median(times[warmup:]),
-               "device_read_bytes_per_step": (io1 - io0) / steps if io0 >= 0 else None}
+               "device_read_bytes_per_step": (io1 - io0) / steps if io0 >= 0 else None, "intervals": intervals}
         if arena is not None:
             st1 = arena.stats.as_dict()
             d = {k: st1[k] - st0[k] for k in ("rows_needed", "hits", "misses", "rows_prefetched", "bytes_read_home",
@@ -243,6 +256,9 @@ def main(argv=None) -> int:
                          "against its own round's memory run, and the median ratio is printed (this VM is noisy)")
     ap.add_argument("--checkpoint", choices=("undo", "none"), default="undo",
                     help="none: no recovery points in any variant (what the cache costs without the tier's durability)")
+    ap.add_argument("--every", type=int, default=0,
+                    help="also print, per stretch of this many steps (warm-up included), each variant's samples/s, "
+                         "the compactions that ended in it and the compactor's CPU (0: off)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (a child: one variant, JSON on stdout)
     a = ap.parse_args(argv)
@@ -263,13 +279,16 @@ def main(argv=None) -> int:
         v, k = a.one.rsplit("@", 1)
         tier, b = spec[v]
         r = run_variant(v, cfg, tier=tier, budget=b, root=root, warmup=a.warmup, steps=a.steps,
-                        prefetch=int(k), threads=a.threads, peak_every=a.peak_every, checkpoint=a.checkpoint)
+                        prefetch=int(k), threads=a.threads, peak_every=a.peak_every, checkpoint=a.checkpoint,
+                        every=a.every)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     # Each variant in a process of its own, one after the other: the resident memory of one is
     # not what the allocator kept of the one before, and only one model's tables exist at a time.
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    if a.every < 0:
+        ap.error(f"--every must be >= 0, got {a.every}")
     results = []
     ks = [int(x) for x in str(a.prefetch_batches).split(",")]
     runs = [(v, k) for v in variants for k in (ks if spec[v][1] is not None else ks[:1])]
@@ -280,7 +299,7 @@ def main(argv=None) -> int:
             cmd += ["--threads", str(a.threads)] if a.threads else []
             cmd += ["--peak-every", str(a.peak_every)] if a.peak_every > 0 else []
             cmd += ["--larger-than-ram"] if a.larger_than_ram else []
-            cmd += ["--checkpoint", a.checkpoint]
+            cmd += ["--checkpoint", a.checkpoint, "--every", str(a.every)]
             p = subprocess.run(cmd, capture_output=True, text=True)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode or not line:
@@ -324,6 +343,14 @@ def main(argv=None) -> int:
           "trim/refr = working copies given back at recovery points (journaled homes): trims (every committed row home: the row overlay's runs, the dense pages in place) / refreshes (only the rows the cache wrote into the working copy), copy MB peak = the most anonymous memory "
           "the working copy's copy-on-write pages held at one (the budget beside the arena, plus a window's writes)" +
           ("; DRAM MB peak = the most DRAM sampled while the variant trained (--peak-every)" if a.peak_every > 0 else ""))
+    if a.every:
+        print(f"\nper {a.every} steps (warm-up included): samples/s, and the compactions that ended in the stretch with "
+              f"the compactor's CPU (s); the in-memory variant's only drop its journal's segments")
+        for r in results:
+            print(f"  {r['variant']:<12} " + "  ".join(
+                f"{i['step']}: {i['samples_per_s']:,.0f}" + (f" [{i['compactions']}c {i['compactor_cpu_s']:.1f}s]"
+                                                              if i["compactions"] else "")
+                for i in r["intervals"]))
     if a.rounds > 1 and base:
         print(f"\nover {a.rounds} rounds (every other one in reverse order), each against its own round's memory run:")
         for v in dict.fromkeys(r["variant"] for r in results if r["variant"] != "memory"):
