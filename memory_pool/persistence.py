@@ -127,16 +127,26 @@ def newest_mask(ids: torch.Tensor, rows: int, scratch: torch.Tensor | None = Non
     return last[ids] == pos
 
 
-def latest(parts: list, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def latest(parts: list, rows: int, window: Arena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The newest value of every row of (ids, raw) parts in journal order (ids in ``[0,
     rows)``), sorted by row: what compaction writes back. The rows are gathered straight from
     the parts into the result (no concatenated copy of them all: half a GB, and its page
-    faults, per compaction on `small`)."""
+    faults, per compaction on `small`). ``window``: the journal's segments mapped side by side
+    (``Journal.read_many(window=...)``); when every part's rows lie in it, they are gathered
+    with one ``index_select`` in row order, not a gather and a scatter per part (a `kaggle`
+    table's 77k newest rows of 15 records: ~5 ms against ~17, 1/4 of a compaction's CPU)."""
     if not parts:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, 0, dtype=torch.uint8)
     ids = torch.cat([p[0] for p in parts])
     pos = newest_mask(ids, rows).nonzero().flatten()   # ascending positions: grouped by part
     kept, order = torch.sort(ids[pos])
+    rb = parts[0][1].shape[1]
+    if window is not None and all(_in_window(raw, window) for _, raw in parts):
+        bounds = torch.tensor([0] + [p[0].numel() for p in parts]).cumsum(0)
+        base = torch.tensor([raw.data_ptr() - window.base for _, raw in parts], dtype=torch.int64)
+        part = torch.searchsorted(bounds, pos, right=True) - 1
+        src = base[part] + (pos - bounds[part]) * rb
+        return kept, window.rows_at_every_offset(rb).index_select(0, src.index_select(0, order))
     dst = torch.empty_like(order)
     dst[order] = torch.arange(order.numel())           # where each kept position goes
     out = torch.empty(pos.numel(), parts[0][1].shape[1], dtype=torch.uint8)
@@ -147,6 +157,12 @@ def latest(parts: list, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         if a < b:
             copy_rows(out, dst[a:b], raw.index_select(0, pos[a:b] - int(bounds[k])))
     return kept, out
+
+
+def _in_window(raw: torch.Tensor, window: Arena) -> bool:
+    """``raw`` (``[n, row_bytes]`` uint8) is rows laid end to end inside ``window``'s used range."""
+    at = raw.data_ptr() - window.base
+    return raw.is_contiguous() and 0 <= at and at + raw.numel() <= window.used
 
 
 def replay_rows(rows: torch.Tensor, parts: list) -> int:
@@ -187,7 +203,11 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     parts: dict[str, list] = {}
     older = Superseded(superseded) if superseded else None
     gone: dict[str, list] = {}
-    for ref, payload in journal.read_many([r for r in refs if r.type == RecordType.ROWS]):
+    refs = [r for r in refs if r.type == RecordType.ROWS]
+    # (the segments side by side in one window, for latest's one gather a table; it goes, and
+    # the segments' mappings with it, when this returns: no view of it is kept)
+    window = Arena(window_bytes(refs)) if coalesce and refs else None
+    for ref, payload in journal.read_many(refs, window=window):
         for name, ids, raw in decode_row_set(payload):
             # Views of the mapped segments, as in replay_plan (the mappings live while they do,
             # and the segments are reused only after this returns): latest() copies them once.
@@ -203,10 +223,10 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
         region = tables[name].region
         asked = region.pages_prefetched  # (cold pages asked for first: FileRegion._will_store)
         if overlay is not None:
-            overlay.absorb(name, *latest(p, region.rows), dense=dense,
+            overlay.absorb(name, *latest(p, region.rows, window), dense=dense,
                            superseded=torch.unique(torch.cat(gone[name])) if name in gone else None)
         elif coalesce:
-            stats.bytes_written_back += region.write_back(*latest(p, region.rows))
+            stats.bytes_written_back += region.write_back(*latest(p, region.rows, window))
         else:
             stats.bytes_written_back += region.write_back_in_order(p)
         stats.pages_prefetched += region.pages_prefetched - asked
