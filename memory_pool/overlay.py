@@ -144,6 +144,7 @@ class Overlay(OverlayCompaction):
         self._positive: dict[str, list[torch.Tensor] | None] = {}
         self._positive_n: dict[str, int] = {}
         self._homed: dict[str, list[torch.Tensor]] = {}   # table -> rows made HOME since the last remap
+        self._took: set[str] = set()   # tables take() copied rows into since their last repend (taken())
 
         self._strided: dict[int, torch.Tensor] = {}
         mpath = self.dir / MANIFEST
@@ -295,6 +296,7 @@ class Overlay(OverlayCompaction):
                 self.pending_rows -= part.numel()
                 n += part.numel()
             self._made_positive(name, hit)
+            self._took.add(name)
             if self.stats is not None:
                 self.stats.run_rows_replayed += n
         return n
@@ -396,6 +398,7 @@ class Overlay(OverlayCompaction):
                 w = self.where.get(name)
                 if w is None:
                     continue
+                self._took.discard(name)
                 homed = self._homed.pop(name, None) if remapped else None
                 if homed:
                     idx = torch.unique(torch.cat(homed))
@@ -443,10 +446,11 @@ class Overlay(OverlayCompaction):
             self._positive[name], self._positive_n[name] = have, n
 
     def taken(self, names) -> set:
-        """Those of tables ``names`` that may have rows copied in from a run since their last
-        :meth:`repend`."""
+        """Those of tables ``names`` that may have rows copied in from a run (or the image) since
+        their last :meth:`repend`. (Not every table with rows listed for it: a table whose rows
+        only went into a run had its image's whole page cache dropped at every refresh.)"""
         with self._lock:
-            return {n for n in names if n in self._positive}
+            return {n for n in names if n in self._took}
 
     def forget_home(self, name: str, rows: torch.Tensor) -> None:
         """Rows ``rows`` of table ``name`` were written into its image (a refresh), newer than

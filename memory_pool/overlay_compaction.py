@@ -126,7 +126,10 @@ class OverlayCompaction:
                 # end-of-run digest of a pool behind a cache, after a background compaction.)
                 we = self._where(name)
                 we[entries] = torch.where(we[entries] < 0, -NEW, NEW).to(torch.int8)
-                self._made_positive(name, entries)
+                # (listed for repend once write() gives them a slot, not now: a repend leaves
+                # NEW rows alone and listed them again, and at the runs' bound a compaction
+                # runs through a dozen refreshes -- each gathered the window's millions of
+                # entries on the trainer's thread)
 
     def clean(self, bound: int) -> None:
         """First in, first out: drop the oldest runs while the runs (the new one counted in)
@@ -247,9 +250,10 @@ class OverlayCompaction:
                 w = self.where.get(name)
                 if w is not None and t[1].numel():
                     # The window's rows (NEW so far) and the moved rows (pending or not, as before).
-                    # (those > 0 are listed for repend already: the window's by absorb, and a
-                    # moved row keeps its sign)
-                    w[t[1]] = torch.where(w[t[1]] < 0, -run.slot, run.slot).to(torch.int8)
+                    wt = w.index_select(0, t[1])
+                    w.index_copy_(0, t[1], torch.where(wt < 0, -run.slot, run.slot).to(torch.int8))
+                    # (those > 0 listed for repend: a moved row is already, it keeps its sign)
+                    self._made_positive(name, t[1].masked_select(wt > 0))
         return run.nbytes
 
     def _planned(self, name: str, rows: torch.Tensor) -> torch.Tensor:
