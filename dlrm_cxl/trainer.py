@@ -316,14 +316,14 @@ class Trainer:
                 with Prefetcher(self.plan_ahead(ahead), depth=o.prefetch_batches) as batches:
                     for k in range(start + 1, o.steps + 1):
                         batch, pos, plan = next(batches)
-                        ts = time.perf_counter()
-                        losses.append(self.run_step(k, batch, pos, plan)[0])
+                        loss, seconds = self.run_step(k, batch, pos, plan)
+                        losses.append(loss)
                         metrics.step(k, losses[-1])
                         last_pos = pos
                         if self.after_step is not None:
                             self.after_step(k)
                         if self.crash is not None:
-                            self.crash.expected_step_seconds = max(time.perf_counter() - ts, 1e-3)
+                            self.crash.expected_step_seconds = max(seconds, 1e-3)
                         if bar is not None:
                             el = time.perf_counter() - t0
                             bar.set_postfix(loss=f"{losses[-1]:.4f}",

@@ -143,7 +143,8 @@ class Overlay(OverlayCompaction):
         # tensors and their count; None: any row may (repend scans the whole table)
         self._positive: dict[str, list[torch.Tensor] | None] = {}
         self._positive_n: dict[str, int] = {}
-        self._homed: dict[str, list[torch.Tensor]] = {}   # table -> rows made HOME since the last remap
+        # table -> rows made HOME since the last remap (None: too many listed, repend scans)
+        self._homed: dict[str, list[torch.Tensor] | None] = {}
         self._took: set[str] = set()   # tables take() copied rows into since their last repend (taken())
 
         self._strided: dict[int, torch.Tensor] = {}
@@ -399,10 +400,13 @@ class Overlay(OverlayCompaction):
                 if w is None:
                     continue
                 self._took.discard(name)
-                homed = self._homed.pop(name, None) if remapped else None
-                if homed:
-                    idx = torch.unique(torch.cat(homed))
-                    idx = idx.masked_select(w.index_select(0, idx) == HOME)
+                homed = self._homed.pop(name, []) if remapped else []
+                if homed is None or homed:
+                    if homed is None:
+                        idx = (w == HOME).nonzero().flatten()
+                    else:
+                        idx = torch.unique(torch.cat(homed))
+                        idx = idx.masked_select(w.index_select(0, idx) == HOME)
                     w.index_fill_(0, idx, 0)
                     self.pending_rows -= idx.numel()
                 if name not in self._positive:
@@ -555,6 +559,7 @@ def image_rows(region, ids: torch.Tensor) -> torch.Tensor:
     uint8: the values of rows written home while pending (``HOME``). Through a mapping of its
     own, read-only and for this call: the write-back's (``FileRegion.home``) is the compactor's,
     which drops it when it syncs."""
+    region.will_need(ids)   # (its pages asked for at the disk's queue depth, not one fault after another)
     mm = mmap.mmap(region.fd, region.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     try:
         mm.madvise(mmap.MADV_RANDOM)   # (a fault reads its own page, not a readahead window)

@@ -217,11 +217,17 @@ class OverlayCompaction:
         """Rows ``rows`` (sorted, distinct) of table ``name`` were written home in place (the
         lock held): no run value of theirs counts; a pending one stays pending, from the image
         (``HOME``), listed for :meth:`repend`."""
-        pend = w[rows] < 0
-        w[rows] = torch.where(pend, HOME, 0).to(torch.int8)
-        homed = rows[pend]
-        if homed.numel():
-            self._homed.setdefault(name, []).append(homed)
+        pend = w.index_select(0, rows) < 0
+        w.index_copy_(0, rows, torch.where(pend, HOME, 0).to(torch.int8))
+        homed = rows.masked_select(pend)
+        have = self._homed.get(name, [])
+        if not homed.numel() or have is None:
+            return
+        # (past an eighth of the table's rows -- more memory than ``where`` itself, between two
+        # trims that may be several compactions apart -- repend scans for HOME instead: None)
+        have.append(homed)
+        over = sum(h.numel() for h in have) > self.regions[name].rows // 8
+        self._homed[name] = None if over else have
 
     def write(self) -> int:
         """Write the new run (if it holds anything), durably; give it its slot. Returns its bytes."""
