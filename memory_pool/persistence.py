@@ -127,18 +127,20 @@ def newest_mask(ids: torch.Tensor, rows: int, scratch: torch.Tensor | None = Non
     return last[ids] == pos
 
 
-def latest(parts: list, rows: int, window: Arena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def latest(parts: list, rows: int, window: Arena | None = None,
+           scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The newest value of every row of (ids, raw) parts in journal order (ids in ``[0,
     rows)``), sorted by row: what compaction writes back. The rows are gathered straight from
     the parts into the result (no concatenated copy of them all: half a GB, and its page
     faults, per compaction on `small`). ``window``: the journal's segments mapped side by side
     (``Journal.read_many(window=...)``); when every part's rows lie in it, they are gathered
     with one ``index_select`` in row order, not a gather and a scatter per part (a `kaggle`
-    table's 77k newest rows of 15 records: ~5 ms against ~17, 1/4 of a compaction's CPU)."""
+    table's 77k newest rows of 15 records: ~5 ms against ~17, 1/4 of a compaction's CPU).
+    ``scratch``: :func:`newest_mask`'s."""
     if not parts:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, 0, dtype=torch.uint8)
     ids = torch.cat([p[0] for p in parts])
-    pos = newest_mask(ids, rows).nonzero().flatten()   # ascending positions: grouped by part
+    pos = newest_mask(ids, rows, scratch).nonzero().flatten()   # ascending positions: grouped by part
     kept, order = torch.sort(ids[pos])
     rb = parts[0][1].shape[1]
     if window is not None and all(_in_window(raw, window) for _, raw in parts):
@@ -219,14 +221,17 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
                     gone.setdefault(name, []).append(ids[drop])
                 ids, raw = ids[~drop], raw[~drop]
             parts.setdefault(name, []).append((ids, raw))
+    # (one int32 scratch for every table's newest_mask, as large as the largest: a fresh one a
+    # table is a table-sized buffer's page faults, 40 MB for a 10M-row `kaggle` table)
+    scratch = torch.empty(max(tables[n].region.rows for n in parts), dtype=torch.int32) if coalesce and parts else None
     for name, p in parts.items():
         region = tables[name].region
         asked = region.pages_prefetched  # (cold pages asked for first: FileRegion._will_store)
         if overlay is not None:
-            overlay.absorb(name, *latest(p, region.rows, window), dense=dense,
+            overlay.absorb(name, *latest(p, region.rows, window, scratch), dense=dense,
                            superseded=torch.unique(torch.cat(gone[name])) if name in gone else None)
         elif coalesce:
-            stats.bytes_written_back += region.write_back(*latest(p, region.rows, window))
+            stats.bytes_written_back += region.write_back(*latest(p, region.rows, window, scratch))
         else:
             stats.bytes_written_back += region.write_back_in_order(p)
         stats.pages_prefetched += region.pages_prefetched - asked

@@ -414,3 +414,45 @@ def test_a_resumed_train_says_how_many_run_rows_it_left_to_apply(tmp_path, monke
     assert m and int(m.group(2).replace(",", "")) > 0, out
     assert re.search(r"^replay on demand: .* \(and ([\d,]+) rows of the row overlay's runs, ([\d,]+) of them applied "
                      r"since\)$", out, re.M), out
+
+
+@pytest.mark.parametrize("sizes", [(1,), (3, 5000, 17), (40000, 123456, 0, 7)])
+def test_a_run_written_with_direct_writes_is_the_same_file_as_through_the_page_cache_and_leaves_none_cached(tmp_path, sizes):
+    # write_run's O_DIRECT path (a staging buffer, the block checksums taken there, a padded
+    # last block cut back) against the page-cache path: byte for byte, and read back row for row.
+    from memory_pool.residency import page_cache_bytes
+    from memory_pool.runfile import write_run
+    g = torch.Generator().manual_seed(len(sizes))
+    tables = {}
+    for i, n in enumerate(sizes):
+        rb = (260, 72, 1024, 8)[i % 4]
+        ids = torch.sort(torch.randperm(1_000_000, generator=g)[:n]).values
+        rows = torch.randint(0, 255, (n, rb), dtype=torch.uint8, generator=g)
+        tables[f"t{i}"] = (rb, ids, rows, torch.tensor([2, 9, 40]))
+    files, cached = {}, {}
+    for direct in (True, False):
+        path = tmp_path / f"run-{direct}.bin"
+        assert write_run(path, 7, tables, direct=direct) == path.stat().st_size
+        files[direct], cached[direct] = path, page_cache_bytes([path])
+        run = Run.open(path)
+        try:
+            for name, (_, ids, rows, _) in tables.items():
+                assert torch.equal(run.rows(name, ids), rows), name
+        finally:
+            run.close()
+    assert files[True].read_bytes() == files[False].read_bytes()
+    # The direct path skips the page-cache path's POSIX_FADV_DONTNEED: none of the run's pages
+    # may be left in the page cache (which a DRAM cache's budget counts). Where the files are in
+    # memory anyway (tmpfs) there is nothing to tell apart.
+    if _file_system(tmp_path) != "tmpfs":
+        assert cached[True] == 0
+
+
+def _file_system(path) -> str:
+    """The type of the file system ``path`` lies on (/proc/self/mounts' longest prefix)."""
+    best, kind = "", ""
+    for line in open("/proc/self/mounts"):
+        _, mnt, fs = line.split()[:3]
+        if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
+            best, kind = mnt, fs
+    return kind
