@@ -113,7 +113,7 @@ from .records import (Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, 
 from .errors import NeedsRecoveryError, PoolReadOnlyError
 from .journal_reader import JournalReader, window_bytes
 from .segment_format import (BLOCK, MARK, MARK_MAGIC, MARK_REC, REC, SEG, SEG_RECYCLED, JournalCorruptError,
-                             RecordRef, RecordType, TxnInfo, iter_refs, rec_header, seg_header, seg_name,
+                             RecordRef, RecordType, TxnInfo, seg_refs, rec_header, seg_header, seg_name,
                              Segment)
 
 __all__ = ["Journal", "RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "Fill", "encode_rows",
@@ -296,7 +296,7 @@ class Journal(JournalReader):
 
     def _new_segment(self) -> None:
         self._close_fd()
-        seg = Segment(self.dir / seg_name(self.next_seq), self.next_seq, SEG.size)
+        seg = Segment(self.dir / seg_name(self.next_seq), self.next_seq, SEG.size, refs=[])
         fd = self._reuse_free(seg) if self._free else None
         if fd is None:
             try:
@@ -492,8 +492,7 @@ class Journal(JournalReader):
         self.next_seq += len(refs)
         self.bytes_appended += off - seg.size
         seg.size = off
-        if refs:
-            seg.last_seq = refs[-1].seq
+        seg.appended(refs)
         self.tail.extend(refs)
         return refs
 
@@ -549,7 +548,7 @@ class Journal(JournalReader):
         if absorb is not None:
             refs: list[RecordRef] = []
             for s in done:
-                refs.extend(t for t in iter_refs(s))
+                refs.extend(seg_refs(s))
             absorb(refs)
         new_start = done[-1].last_seq + 1
         # START first, durably: a crash after it leaves dead segments that the next scan drops;

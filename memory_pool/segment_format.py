@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -37,7 +37,7 @@ from .errors import PoolCorruptError
 
 __all__ = ["RecordType", "RecordRef", "TxnInfo", "JournalCorruptError", "SEG_MAGIC", "SEG", "SEG_RECYCLED",
            "BLOCK", "REC_MAGIC", "REC", "VERSION", "MARK", "MARK_MAGIC", "MARK_REC", "Segment", "seg_name", "seg_header",
-           "rec_header", "parse_header", "iter_refs"]
+           "rec_header", "parse_header", "iter_refs", "seg_refs"]
 
 SEG_MAGIC = b"DCXJSEG1"
 SEG = struct.Struct("<8sIQI36xI")         # magic, version, first seq, flags, pad, crc32c (64 bytes)
@@ -107,6 +107,16 @@ class Segment:
     size: int = 0
     last_seq: int = -1     # of its last valid record (-1: none)
     stale_after: bool = False   # RECYCLED flag: bytes after the valid records are not the log's
+    # Its records, as this process's writer appended them (None: not known in memory -- a
+    # segment found at open -- so a reclaim reads its headers again, iter_refs).
+    refs: list | None = field(default=None, repr=False, compare=False)
+
+    def appended(self, refs: list) -> None:
+        """The writer appended records ``refs`` (in order) to this segment."""
+        if refs:
+            self.last_seq = refs[-1].seq
+            if self.refs is not None:
+                self.refs.extend(refs)
 
 
 def seg_name(first_seq: int) -> str:
@@ -134,6 +144,15 @@ def parse_header(raw: bytes):
     if crc32c_extend(0, bytes(raw[:REC.size - 4])) != hcrc:
         return None
     return rtype, seq, tag, length, pcrc
+
+
+def seg_refs(seg: Segment) -> Iterable[RecordRef]:
+    """Every record of a sealed segment: the writer's own list where it has one (``seg.refs``),
+    else its headers read back (:func:`iter_refs`). Why: a journal written with direct writes is
+    not in the page cache, and a compaction read each header back from the device -- ~2,900
+    reads for a `kaggle` compaction's 1 GiB, 0.3-0.5 s of its time, while the steps ran on one
+    intra-op thread fewer (dlrm_cxl/cores.py)."""
+    return seg.refs if seg.refs is not None else iter_refs(seg)
 
 
 def iter_refs(seg: Segment) -> Iterable[RecordRef]:

@@ -230,6 +230,28 @@ def test_reclaim_drops_old_segments_after_absorbing_them_and_writes_start(tmp_pa
     assert all(bytes(back.read(r)) == payload(r.seq) for t in back.txns for r in t.records)
 
 
+def test_a_reclaim_lists_the_writers_own_records_which_are_the_ones_a_scan_of_the_segment_reads(tmp_path):
+    # A segment this process wrote: reclaim hands absorb the writer's list (no header read back
+    # from the device); it must be exactly what reading the headers gives. A segment found at
+    # open has no such list (None): its headers are read, as before.
+    from memory_pool.segment_format import iter_refs, seg_refs
+    j = write_txns(tmp_path, 6, per_txn=3, segment_bytes=600)
+    sealed = j._segs[:-1]
+    assert len(sealed) >= 2 and all(s.refs for s in sealed)
+    for s in sealed:
+        assert seg_refs(s) is s.refs and s.refs == list(iter_refs(s))
+    scanned, seen = [r for s in sealed for r in iter_refs(s)], []
+    j.reclaim(j.next_seq, absorb=seen.extend)
+    assert seen == scanned and [r.seq for r in seen] == list(range(len(seen)))
+    write_txns(tmp_path, 2, j=j, first=6)
+    j.close()
+    back = reopen(tmp_path)
+    assert back._segs and all(s.refs is None for s in back._segs)
+    for s in back._segs[:-1]:
+        assert list(seg_refs(s)) == list(iter_refs(s))
+    back.close()
+
+
 def test_segments_left_behind_by_a_reclaim_killed_after_start_are_dropped_at_open(tmp_path):
     """reclaim writes START before it unlinks: a crash in between leaves dead segments that the
     next writable open removes (a read-only open only skips them)."""
