@@ -71,7 +71,8 @@ class CoreYield:
     def before_step(self) -> None:
         if not self.enabled:
             return
-        compacting = self.pool.compacting
+        # (not while it only reads its journal in: Compaction.reading)
+        compacting = self.pool.compacting and self.pool.compactor_computing
         if compacting and not self._checked:
             self._checked = True
             self.enabled = self._probe()

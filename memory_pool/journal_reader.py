@@ -14,11 +14,13 @@ import struct
 from pathlib import Path
 from typing import Sequence
 
-from .arena import Arena, page_round
+import numpy as np
+
+from .arena import PAGE as PAGE_BYTES, Arena, page_round
 from . import fileio
 from .records import crc32c, crc32c_extend
 from .segment_format import (BLOCK, MARK, MARK_MAGIC, MARK_REC, REC, REC_MAGIC, SEG, SEG_MAGIC, SEG_RECYCLED,
-                             JournalCorruptError, RecordRef, RecordType, TxnInfo, iter_refs, parse_header,
+                             JournalCorruptError, RecordRef, RecordType, TxnInfo, iter_refs, parse_header, seg_refs,
                              Segment)
 
 __all__ = ["JournalReader", "window_bytes"]
@@ -272,6 +274,38 @@ class JournalReader:
                 except BufferError:
                     pass  # a caller still holds a view; the mapping goes with it
 
+    def preread(self, refs: Sequence[RecordRef]) -> int:
+        """Bring the payloads of ``refs`` into the page cache and wait for them: one touch a
+        page through a read-only mapping, the kernel's read-ahead doing the rest (~0.6 s and
+        ~0.05 s of CPU for 1 GiB here; ``POSIX_FADV_WILLNEED`` alone left most of a GiB unread
+        after 20 s). A compaction does it first, while the steps keep every intra-op thread
+        (``Compaction.reading``): then its pass over the records is the CPU's work alone, not
+        device waits on one thread fewer. A mapped journal (in RAM) has them. Returns the bytes
+        asked for. The pages go with :meth:`forget_read`, as those a reader faults in do."""
+        if self.mapped:
+            return 0
+        total = 0
+        for path, ranges in _spans(refs).items():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # (read_many reports it)
+            try:
+                size = os.fstat(fd).st_size
+                if not size:
+                    continue
+                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+                    pages = np.frombuffer(m, dtype=np.uint8)
+                    for lo, hi in ranges:
+                        hi = min(hi, size)
+                        if lo < hi:
+                            int(pages[lo - lo % PAGE_BYTES:hi:PAGE_BYTES].sum())  # (a read of each page)
+                            total += hi - lo
+                    del pages
+            finally:
+                os.close(fd)
+        return total
+
     def forget_read(self, refs: Sequence[RecordRef]) -> None:
         """Give back the page cache of the segments ``refs`` lie in, once a write-back has read
         them (an apply pass or a compaction reads whole sealed segments, and nothing reads them
@@ -324,14 +358,12 @@ class JournalReader:
             segs = [s for s in self._segs[:-1] if s.last_seq >= since_seq]
         if not segs:
             return [], None
-        refs = [r for s in segs for r in iter_refs(s) if r.seq >= since_seq]
+        refs = [r for s in segs for r in seg_refs(s) if r.seq >= since_seq]
         return refs, segs[-1].last_seq + 1
 
 
-def _prefetch(refs: Sequence[RecordRef]) -> None:
-    """Ask the kernel to read the payloads of ``refs`` now, all at once (asynchronously, at the
-    disk's full queue depth; a no-op for cached pages), instead of one read-ahead window per
-    page fault as they are used: after a crash the journal is read from the disk."""
+def _spans(refs: Sequence[RecordRef]) -> dict[Path, list[list[int]]]:
+    """The byte ranges ``refs`` occupy, per segment, neighbours merged."""
     spans: dict[Path, list[list[int]]] = {}
     for r in refs:
         s = spans.setdefault(r.segment, [])
@@ -339,7 +371,14 @@ def _prefetch(refs: Sequence[RecordRef]) -> None:
             s[-1][1] = max(s[-1][1], r.payload_offset + r.length)
         else:
             s.append([r.offset, r.payload_offset + r.length])
-    for path, ranges in spans.items():
+    return spans
+
+
+def _prefetch(refs: Sequence[RecordRef]) -> None:
+    """Ask the kernel to read the payloads of ``refs`` now, all at once (asynchronously, at the
+    disk's full queue depth; a no-op for cached pages), instead of one read-ahead window per
+    page fault as they are used: after a crash the journal is read from the disk."""
+    for path, ranges in _spans(refs).items():
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:

@@ -176,6 +176,12 @@ class MemoryPool:
         self._compaction.check()
         return self._compaction.running
 
+    @property
+    def compactor_computing(self) -> bool:
+        """A background compaction runs and is past reading its journal in (no error raised:
+        ``compacting`` reports those)."""
+        return self._compaction.computing
+
     def wait_compaction(self) -> None:  # (a background one, if running; its error raised)
         self._compaction.wait()
 

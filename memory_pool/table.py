@@ -88,6 +88,8 @@ class PoolStats:
     pages_prefetched: int = 0       # image pages asked for before a replay or a write-back into them (0: cached)
     compact_seconds: float = 0.0    # wall time of the compactions and applies (on their background thread)
     compact_cpu_seconds: float = 0.0  # CPU of the compactor's thread (not torch's worker threads)
+    bytes_preread: int = 0          # journal bytes background compactions read in first (JournalReader.preread)
+    preread_seconds: float = 0.0    # their wall time (the steps kept every intra-op thread: dlrm_cxl/cores.py)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["flip", "journal_writer", "kill_writer_and_check_journal"]
+__all__ = ["file_system", "flip", "journal_writer", "kill_writer_and_check_journal"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,3 +71,13 @@ def kill_writer_and_check_journal(code: str, d: Path, after: float, sizes: list[
     j.close()
     again = Journal(d, read_only=True)
     assert [t.tag for t in again.txns] == tags + [99] and again.tail == [] and again.torn_bytes == 0
+
+
+def file_system(path) -> str:
+    """The type of the file system ``path`` lies on (/proc/self/mounts' longest prefix)."""
+    best, kind = "", ""
+    for line in open("/proc/self/mounts"):
+        _, mnt, fs = line.split()[:3]
+        if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
+            best, kind = mnt, fs
+    return kind

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from helpers import file_system
+
 from dlrm_cxl.cores import CoreYield, thread_count_invariant
 from dlrm_cxl.model import PRESETS
 from dlrm_cxl.options import TrainOptions
@@ -49,12 +51,47 @@ class _CountsThreads(nn.Module):
         return self.lin(x) + 1e-3 * torch.get_num_threads()
 
 
+def test_a_compaction_reading_its_journal_in_leaves_the_steps_every_thread_and_reads_it_all_in(tmp_path, monkeypatch):
+    # Its first phase (JournalReader.preread) only waits for the device: the pool says it is
+    # compacting, not computing, so CoreYield keeps both threads; the records' pages are in the
+    # page cache once it returns (the journal is written with direct writes: they were not).
+    from memory_pool.journal_reader import JournalReader
+    from memory_pool.residency import page_cache_bytes
+    seen, real, t = [], JournalReader.preread, None
+
+    def preread(self, refs):
+        segs = sorted({r.segment for r in refs})
+        before = page_cache_bytes(segs)
+        flags = (t.pool.compacting, t.pool.compactor_computing)
+        n = real(self, refs)
+        seen.append((flags, before, page_cache_bytes(segs), n))
+        return n
+
+    monkeypatch.setattr(JournalReader, "preread", preread)
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", str(64 / 1024))
+    monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", str(32 / 1024))
+    before = torch.get_num_threads()
+    t = Trainer(TrainOptions(pool=str(tmp_path / "p"), steps=30, threads=2, progress=False, tier="pmem", window=2),
+                TINY, log=lambda s: None)
+    try:
+        t.run()
+        assert seen and t.pool.stats.bytes_preread == sum(n for *_, n in seen) > 0
+    finally:
+        t.close()
+        torch.set_num_threads(before)
+    for flags, cached_before, cached_after, n in seen:
+        assert flags == (True, False)
+        assert cached_after >= n
+        if file_system(tmp_path) != "tmpfs":   # (in memory anyway there: no direct writes)
+            assert n > cached_before
+
+
 def test_a_model_whose_result_depends_on_the_thread_count_keeps_every_thread(monkeypatch):
     class Model:
         dense_arch = _CountsThreads()
 
     class Pool:
-        compacting = True
+        compacting = compactor_computing = True
 
     assert thread_count_invariant(Model(), 8, 4, 2) is False
     Model.dense_arch = nn.Linear(4, 3)

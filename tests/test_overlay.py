@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import flip
+from helpers import file_system, flip
 from memory_pool import MemoryPool, PoolVersionError
 from memory_pool.header import HEADER, read_header
 from memory_pool.overlay import MANIFEST, RUNS_DIR, Run, RunCorruptError
@@ -444,15 +444,6 @@ def test_a_run_written_with_direct_writes_is_the_same_file_as_through_the_page_c
     # The direct path skips the page-cache path's POSIX_FADV_DONTNEED: none of the run's pages
     # may be left in the page cache (which a DRAM cache's budget counts). Where the files are in
     # memory anyway (tmpfs) there is nothing to tell apart.
-    if _file_system(tmp_path) != "tmpfs":
+    if file_system(tmp_path) != "tmpfs":
         assert cached[True] == 0
 
-
-def _file_system(path) -> str:
-    """The type of the file system ``path`` lies on (/proc/self/mounts' longest prefix)."""
-    best, kind = "", ""
-    for line in open("/proc/self/mounts"):
-        _, mnt, fs = line.split()[:3]
-        if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
-            best, kind = mnt, fs
-    return kind
