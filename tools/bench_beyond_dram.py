@@ -186,7 +186,8 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                 pass
         times, intervals = [], []
         ps = t.pool.stats
-        mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds)
+        yielded = (lambda: t.cores.steps_yielded if t.cores is not None else 0)
+        mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds, yielded())
         with PeakMemory(t.pool, peak_every) as peak, \
                 Prefetcher(t.plan_ahead(t.source.iter_batches(None)), depth=prefetch) as batches:
             for k in range(1, warmup + steps + 1):
@@ -199,19 +200,22 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                 times.append(t.run_step(k, batch, pos, plan)[1])  # (as Trainer.run drives it)
                 if every and k % every == 0:
                     # (each stretch of steps on its own: a compaction's CPU shows in the stretch it ran in)
-                    now = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds)
+                    now = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds, yielded())
                     ov = t.pool.describe().get("overlay") or {}
                     intervals.append({"step": k, "samples_per_s": every * cfg.batch_size / (now[0] - mark[0]),
                                       "compactions": now[1] - mark[1], "compactor_cpu_s": now[2] - mark[2],
+                                      "steps_on_fewer_threads": now[3] - mark[3],
                                       "run_mb": ov.get("bytes", 0) / 2**20})
-                    mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds)
+                    mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds, yielded())
             t.ckpt.drain()
         window = time.perf_counter() - w0
         io1 = io_read_bytes()
         out = {"variant": name, "tier": tier, "budget_bytes": budget, "setup_seconds": made,
                "samples_per_s": steps * cfg.batch_size / window,
                "median_step_ms": 1e3 * statistics.median(times[warmup:]),
-               "device_read_bytes_per_step": (io1 - io0) / steps if io0 >= 0 else None, "intervals": intervals}
+               "device_read_bytes_per_step": (io1 - io0) / steps if io0 >= 0 else None, "intervals": intervals,
+               # (dlrm_cxl/cores.py: off where the model's dense layers are not bit-identical on one thread fewer)
+               "core_yield": bool(t.cores is not None and t.cores.enabled)}
         if arena is not None:
             st1 = arena.stats.as_dict()
             d = {k: st1[k] - st0[k] for k in ("rows_needed", "hits", "misses", "rows_prefetched", "bytes_read_home",
@@ -345,12 +349,15 @@ def main(argv=None) -> int:
           ("; DRAM MB peak = the most DRAM sampled while the variant trained (--peak-every)" if a.peak_every > 0 else ""))
     if a.every:
         print(f"\nper {a.every} steps (warm-up included): samples/s, and the compactions that ended in the stretch with "
-              f"the compactor's CPU (s); the in-memory variant's only drop its journal's segments")
+              f"the compactor's CPU (s) and the steps that ran on one intra-op thread fewer beside one (dlrm_cxl/cores.py; "
+              f"'no yield': the model's dense layers differ on fewer threads here, so every step keeps them all); the "
+              f"in-memory variant's only drop its journal's segments")
         for r in results:
             print(f"  {r['variant']:<12} " + "  ".join(
-                f"{i['step']}: {i['samples_per_s']:,.0f}" + (f" [{i['compactions']}c {i['compactor_cpu_s']:.1f}s]"
-                                                              if i["compactions"] else "")
-                for i in r["intervals"]))
+                f"{i['step']}: {i['samples_per_s']:,.0f}" +
+                (f" [{i['compactions']}c {i['compactor_cpu_s']:.1f}s {i.get('steps_on_fewer_threads', 0)}y]"
+                 if i["compactions"] else "")
+                for i in r["intervals"]) + ("" if r.get("core_yield", True) else "  (no yield)"))
     if a.rounds > 1 and base:
         print(f"\nover {a.rounds} rounds (every other one in reverse order), each against its own round's memory run:")
         for v in dict.fromkeys(r["variant"] for r in results if r["variant"] != "memory"):
