@@ -16,6 +16,17 @@ the batch size, forward and backward, on its own random inputs, with both counts
 embedding kernels were checked by a run: `kaggle`, 12 steps, ``--threads 1`` and 2, the same
 ``state_digest``). Where it differs, the count is left alone. ``DLRM_CXL_YIELD_CORE=0`` turns it
 off.
+
+It differs on some hosts: on the Intel Xeon host of 2026-12-06, MKL split the `kaggle` MLPs'
+GEMMs at batch 2048 by thread count, so the probe said no and no step yielded (the bench's
+``--every`` prints "no yield"). ``MKL_CBWR=AUTO,STRICT`` in the environment makes them
+bit-identical on any count at no cost in their time (fwd+bwd 24-26 ms either way); MKL reads it
+once, before torch's first GEMM, so it must be set before the process starts -- for ``train`` and
+for ``recover`` alike, since a replay must run the steps' own arithmetic (README, "Tables larger
+than DRAM", tenth session). Not set by dlrm-cxl itself: a process that imported torch first
+could not follow it, and its replays would stop at the first step with ``ReplayMismatchError``.
+The compaction's first phase, reading its journal in (``Compaction.reading``), yields nothing:
+the pool's ``compactor_computing`` is False until it computes.
 """
 
 from __future__ import annotations
