@@ -171,15 +171,13 @@ class MemoryPool:
 
     @property
     def compacting(self) -> bool:
-        """A background compaction is running. Raises the error of one that failed, once
-        (``Compaction.check``): the checkpointer reads this after every commit."""
+        """A background compaction runs. Raises a failed one's error, once (``Compaction.check``)."""
         self._compaction.check()
         return self._compaction.running
 
     @property
     def compactor_computing(self) -> bool:
-        """A background compaction runs and is past reading its journal in (no error raised:
-        ``compacting`` reports those)."""
+        """A background compaction runs, past reading its journal in (``compacting`` raises)."""
         return self._compaction.computing
 
     def wait_compaction(self) -> None:  # (a background one, if running; its error raised)
