@@ -285,25 +285,18 @@ class JournalReader:
         if self.mapped:
             return 0
         total = 0
-        for path, ranges in _spans(refs).items():
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue  # (read_many reports it)
-            try:
-                size = os.fstat(fd).st_size
-                if not size:
-                    continue
-                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
-                    pages = np.frombuffer(m, dtype=np.uint8)
-                    for lo, hi in ranges:
-                        hi = min(hi, size)
-                        if lo < hi:
-                            int(pages[lo - lo % PAGE_BYTES:hi:PAGE_BYTES].sum())  # (a read of each page)
-                            total += hi - lo
-                    del pages
-            finally:
-                os.close(fd)
+        for fd, ranges in _open_spans(refs):
+            size = os.fstat(fd).st_size
+            if not size:
+                continue
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+                pages = np.frombuffer(m, dtype=np.uint8)
+                for lo, hi in ranges:
+                    hi = min(hi, size)
+                    if lo < hi:
+                        int(pages[lo - lo % PAGE_BYTES:hi:PAGE_BYTES].sum())  # (a read of each page)
+                        total += hi - lo
+                del pages
         return total
 
     def forget_read(self, refs: Sequence[RecordRef]) -> None:
@@ -378,14 +371,22 @@ def _prefetch(refs: Sequence[RecordRef]) -> None:
     """Ask the kernel to read the payloads of ``refs`` now, all at once (asynchronously, at the
     disk's full queue depth; a no-op for cached pages), instead of one read-ahead window per
     page fault as they are used: after a crash the journal is read from the disk."""
+    for fd, ranges in _open_spans(refs):
+        for lo, hi in ranges:
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+
+
+def _open_spans(refs: Sequence[RecordRef]):
+    """``(descriptor, byte ranges)`` of each segment ``refs`` lie in (:func:`_spans`), opened
+    read-only and closed when the next is asked for; a segment that is gone is skipped
+    (``read_many`` reports it)."""
     for path, ranges in _spans(refs).items():
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
-            continue  # (read_many reports it)
+            continue
         try:
-            for lo, hi in ranges:
-                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            yield fd, ranges
         finally:
             os.close(fd)
 
