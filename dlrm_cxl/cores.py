@@ -23,8 +23,9 @@ GEMMs at batch 2048 by thread count, so the probe said no and no step yielded (t
 bit-identical on any count at no cost in their time (fwd+bwd 24-26 ms either way); MKL reads it
 once, before torch's first GEMM, so it must be set before the process starts -- for ``train`` and
 for ``recover`` alike, since a replay must run the steps' own arithmetic (README, "Tables larger
-than DRAM", tenth session). Not set by dlrm-cxl itself: a process that imported torch first
-could not follow it, and its replays would stop at the first step with ``ReplayMismatchError``.
+than DRAM", tenth session; each run records it, and a replay under another stops at the
+window's start: ``replay_source.check_replay_settings``). Not set by dlrm-cxl itself: a process
+that imported torch first could not follow it.
 The compaction's first phase, reading its journal in (``Compaction.reading``), yields nothing:
 the pool's ``compactor_computing`` is False until it computes.
 """

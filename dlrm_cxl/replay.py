@@ -25,7 +25,7 @@ import time
 from typing import Callable
 
 from .errors import ReplaySourceError
-from .replay_source import check_replay_source
+from .replay_source import check_replay_settings, check_replay_source
 
 __all__ = ["recover_and_replay", "REPLAY_PHASE"]
 
@@ -61,6 +61,7 @@ def recover_and_replay(path, *, dry_run: bool = False, digest: bool = True, cras
     try:
         check_replay_source(meta.get("data_identity"), meta.get("data"), first=todo[0], last=todo[-1],
                             step=status["committed_step"])
+        check_replay_settings(meta.get("run"), first=todo[0], last=todo[-1], step=status["committed_step"])
     except ReplaySourceError:
         # (the rollback to the window's start happens all the same: the pool is left consistent,
         # with the records of the steps after it kept for a retry)

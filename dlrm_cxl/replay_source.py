@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import ReplaySourceError
 
-__all__ = ["data_identity", "check_replay_source", "run_settings"]
+__all__ = ["data_identity", "check_replay_source", "check_replay_settings", "run_settings"]
 
 
 def data_identity(data: str | None) -> dict:
@@ -51,5 +51,25 @@ def check_replay_source(recorded: dict | None, data: str | None, *, first: int, 
 def run_settings(threads: int, kernel: str, device: str, dram_cache_bytes: int | None = None) -> dict:
     """What a replay must run with to be bit-exact, recorded in the pool at each run's start:
     torch's threads, the kernels the steps ran on (fused, or the reference path: also what a
-    DRAM row cache or several ranks imply), the device, the DRAM cache's budget."""
-    return {"threads": threads, "kernel": kernel, "device": device, "dram_cache_bytes": dram_cache_bytes}
+    DRAM row cache or several ranks imply), the device, the DRAM cache's budget, and
+    ``MKL_CBWR`` as the process started with it (MKL's GEMMs give other bits under another
+    mode, and a process cannot change it once torch has run one: dlrm_cxl/cores.py)."""
+    return {"threads": threads, "kernel": kernel, "device": device, "dram_cache_bytes": dram_cache_bytes,
+            "mkl_cbwr": os.environ.get("MKL_CBWR")}
+
+
+def check_replay_settings(run: dict | None, *, first: int, last: int, step: int) -> None:
+    """Raise ReplaySourceError when this process cannot repeat the arithmetic of the steps
+    ``first..last``: they ran under another ``MKL_CBWR`` (``run``: the pool's ``run`` meta; a
+    pool that recorded none is not checked). The other settings the replay takes from ``run``."""
+    if not run or "mkl_cbwr" not in run:
+        return
+    had, now = run["mkl_cbwr"], os.environ.get("MKL_CBWR")
+    if had != now:
+        what = f"steps {first}..{last}" if last > first else f"step {first}"
+        name = (lambda v: "unset" if v is None else repr(v))
+        raise ReplaySourceError(
+            f"{what} ran with MKL_CBWR {name(had)} and this process has it {name(now)}: MKL's GEMMs would not "
+            f"repeat their arithmetic, so the pool stays at step {step}, the start of its recovery window",
+            hint=(f"export MKL_CBWR={had}" if had is not None else "unset MKL_CBWR") +
+                 " before starting `dlrm-cxl recover` (or `train`) and run it again; the records are kept")

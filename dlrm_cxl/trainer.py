@@ -36,7 +36,7 @@ from .lookahead import WorkingCopyBound, cache_report
 from .model import ModelConfig, PoolDLRM, SparseOptimizer
 from .options import TrainOptions, TrainSummary, data_spec, resolve_writer, validate_options
 from .provisioning import build_dense_optimizer, capture_dense_state, open_training_pool
-from .replay_source import check_replay_source, data_identity, run_settings
+from .replay_source import check_replay_settings, check_replay_source, data_identity, run_settings
 from .step import make_path
 from .step import phase as _phase
 
@@ -147,6 +147,7 @@ class Trainer:
             # A replay needs the data the steps read: never replay other data.
             check_replay_source(meta.get("data_identity"), o.data, first=min(self.witness),
                                 last=max(self.witness), step=self.step)
+            check_replay_settings(meta.get("run"), first=min(self.witness), last=max(self.witness), step=self.step)
             self.ckpt.carry = dict(self.witness)
         else:
             settings = run_settings(torch.get_num_threads(), "fused" if self.fused else "reference", o.device,

@@ -193,6 +193,31 @@ def test_a_missing_data_file_stops_recovery_at_the_windows_start(cli, root):
     assert rep["committed_step"] == 7 and rep["replayed"] == 3
 
 
+def test_a_replay_under_another_mkl_cbwr_stops_at_the_windows_start_and_goes_on_under_the_runs_own(cli, root):
+    # The run records MKL_CBWR as its process started with it (dlrm_cxl/cores.py: MKL's GEMMs
+    # give other bits under another mode, and no process can switch once MKL has started). A
+    # recover or train whose process has another stops at the window's start, the records kept.
+    # (Those processes get their own fork server: MKL reads the setting once per process.)
+    import os
+    pool = root / "mkl"
+    assert killed(cli.run(["train", "--pool", pool, *flags("pmem", "--window", W), "--steps", N,
+                           "--crash-at", "8:before-commit"]))
+    had = os.environ.get("MKL_CBWR")   # (what the run's process had: cli's server has this environment)
+    other = torture.Cli(env={"MKL_CBWR": "COMPATIBLE" if had != "COMPATIBLE" else "AVX2"})
+    try:
+        r = other.run(["recover", "--pool", pool])
+        assert r.returncode == 12, (r.returncode, r.stdout, r.stderr[-2000:])
+        assert "ran with MKL_CBWR" in r.stderr and "stays at step 4" in r.stderr and "Traceback" not in r.stderr
+        t = other.run(["train", "--pool", pool, "--threads", "1", "--no-progress", "--steps", N])
+        assert t.returncode == 12 and "ran with MKL_CBWR" in t.stderr, t.stderr[-2000:]
+    finally:
+        other.close()
+    st = as_json(cli.run(["inspect", "--pool", pool, "--json", "--no-digest"]))["checkpoint"]
+    assert st["committed_step"] == 4 and st["replay_steps"] == [5, 6, 7]
+    rep = as_json(cli.run(["recover", "--pool", pool, "--json"]))
+    assert rep["committed_step"] == 7 and rep["replayed"] == 3
+
+
 def test_a_non_deterministic_step_gives_a_typed_error_and_the_last_step_that_agreed(root, ref, monkeypatch,
                                                                                       capsys, cli):
     pool = root / "nondet"
