@@ -67,9 +67,12 @@ def check_replay_settings(run: dict | None, *, first: int, last: int, step: int)
     had, now = run["mkl_cbwr"], os.environ.get("MKL_CBWR")
     if had != now:
         what = f"steps {first}..{last}" if last > first else f"step {first}"
-        name = (lambda v: "unset" if v is None else repr(v))
         raise ReplaySourceError(
-            f"{what} ran with MKL_CBWR {name(had)} and this process has it {name(now)}: MKL's GEMMs would not "
+            f"{what} ran with MKL_CBWR {_shown(had)} and this process has it {_shown(now)}: MKL's GEMMs would not "
             f"repeat their arithmetic, so the pool stays at step {step}, the start of its recovery window",
             hint=(f"export MKL_CBWR={had}" if had is not None else "unset MKL_CBWR") +
                  " before starting `dlrm-cxl recover` (or `train`) and run it again; the records are kept")
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value)

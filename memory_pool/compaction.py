@@ -149,28 +149,24 @@ class Compaction:
             # they hold was cleared in memory before it changed. (Not in a trim's _absorb: it
             # moves no START.)
             self._tables.save_fresh()
-            self._absorb(refs)
+            self._absorb(refs, preread=not wait)   # (in the background: the journal read in first)
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
-            self.reading = not wait and self._journaled   # (until _write_back has read it in)
-            try:
-                with self._image_lock:  # (never beside a bulk load into an image: images_held)
-                    self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self._journaled else None)
-                    if self.overlay is not None:
-                        self.overlay.finish()  # (after START moved: the cleaned runs' files go)
-                    if self._journaled and self.journal.start_seq > self._applied:
-                        self._applied = self.journal.start_seq
-                        self._vouch()
-            finally:
-                self.reading = False
+            with self._image_lock:  # (never beside a bulk load into an image: images_held)
+                self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self._journaled else None)
+                if self.overlay is not None:
+                    self.overlay.finish()  # (after START moved: the cleaned runs' files go)
+                if self._journaled and self.journal.start_seq > self._applied:
+                    self._applied = self.journal.start_seq
+                    self._vouch()
             self.stats.compactions += 1
             self.stats.compact_seconds += time.perf_counter() - t0
             self.stats.compact_cpu_seconds += time.thread_time() - c0
 
         return self._compactor.run(run, wait=wait)
 
-    def _absorb(self, refs) -> None:
+    def _absorb(self, refs, *, preread: bool = False) -> None:
         """Write the ROWS of ``refs`` home and make them durable (the compactor's thread, the
         images held): a compaction's ``absorb``, or a trim's behind a DRAM cache."""
         # Most segments were written back already, one by one as they were sealed (apply):
@@ -183,12 +179,12 @@ class Compaction:
                 bound = self.overlay_bound
                 ov.begin()
                 # (a bound of 0 empties the overlay: every page goes home)
-                self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else DENSE_FRACTION)
+                self._write_back(refs, overlay=ov, dense=0.0 if bound == 0 else DENSE_FRACTION, preread=preread)
                 ov.clean(bound)
                 self.stats.bytes_to_runs += ov.write()
                 self._unsynced |= ov.tables_home
             else:
-                self._write_back(refs)
+                self._write_back(refs, preread=preread)
             self._sync_images()
             if ov is not None and ov.changed:
                 # Before the first manifest: a dlrm-cxl that knows no runs refuses the
@@ -263,9 +259,10 @@ class Compaction:
 
     # (compactor thread only, or inline while none runs: _applied and _unsynced are its state)
     def _write_back(self, refs, *, coalesce: bool = True, overlay: Overlay | None = None,
-                    dense: float = DENSE_FRACTION) -> None:
+                    dense: float = DENSE_FRACTION, preread: bool = False) -> None:
         """Write the ROWS records of ``refs`` that are not written back yet into the images (with
-        an ``overlay``: all of them, which it writes home or keeps in its new run)."""
+        an ``overlay``: all of them, which it writes home or keeps in its new run). ``preread``:
+        read their pages in first (a background compaction, see :attr:`reading`)."""
         since = self._applied if overlay is None else 0
         pending = [r for r in refs if r.type == RecordType.ROWS and r.seq >= since]
         # (a refresh's entry matters while records below it may still be written back: apply
@@ -273,14 +270,16 @@ class Compaction:
         # *among the segments they drop* -- older than a refresh's value where that came from a
         # segment kept: absorb_rows treats such rows as home already.)
         self._refreshed = [e for e in self._refreshed if e[0] > self.journal.start_seq]
-        if pending and self.reading:
+        if pending and preread:
             # The records' pages in first, before this counts as computing (Compaction.computing):
             # ~0.6 s of device reads for `kaggle`'s 1 GiB, during which the steps ran on one
             # intra-op thread fewer for nothing.
-            t0 = time.perf_counter()
-            self.stats.bytes_preread += self.journal.preread(pending)
+            t0, self.reading = time.perf_counter(), True
+            try:
+                self.stats.bytes_preread += self.journal.preread(pending)
+            finally:
+                self.reading = False
             self.stats.preread_seconds += time.perf_counter() - t0
-        self.reading = False
         if pending:
             written = absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
                                   overlay=overlay, dense=dense, resets=self.resets, superseded=self._refreshed)

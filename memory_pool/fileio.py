@@ -49,6 +49,8 @@ in it is cancelled, so it holds only the unsynced work of the moment.
 
 from __future__ import annotations
 
+import builtins
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -58,7 +60,7 @@ import numpy as np
 # The undo log's format and the power loss it describes (re-exported: one place to call).
 from .powerloss import LOG_DIR, Lose, encode_entry, PowerOnReport, pending, power_on, unsynced_count
 
-__all__ = ["open", "pwrite", "ftruncate", "fallocate", "fdatasync", "fsync", "fsync_dir", "rename", "unlink",
+__all__ = ["open", "pwrite", "set_direct", "mount_entry", "ftruncate", "fallocate", "fdatasync", "fsync", "fsync_dir", "rename", "unlink",
            "note_rows", "note_range", "start_writeback", "watch", "unwatch", "watching", "power_on", "pending", "unsynced_count", "LOG_DIR",
            "ENV", "Lose", "PowerOnReport"]
 
@@ -202,6 +204,37 @@ def _watched(fd: int) -> tuple[_Sim, str] | None:
 def close(fd: int) -> None:
     _fds.pop(fd, None)
     os.close(fd)
+
+
+def set_direct(fd: int, on: bool) -> bool:
+    """Turn ``O_DIRECT`` on or off for ``fd``; False where the file system refuses it (tmpfs
+    before Linux 6.6, many FUSE file systems). The journal's segments and the row overlay's
+    runs are written this way (memory_pool/journal.py, memory_pool/runfile.py)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def mount_entry(path: str | os.PathLike) -> tuple[str, str, list[str]] | None:
+    """``(mount point, file system type, options)`` of the mount ``path`` lies on (the longest
+    prefix in /proc/mounts); None where that cannot be read."""
+    path = os.path.realpath(path)
+    best = None
+    try:
+        with builtins.open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                mnt = parts[1]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) >= len(best[0])):
+                    best = (mnt, parts[2], parts[3].split(","))
+    except OSError:
+        return None
+    return best
 
 
 def _note_data(sim: _Sim, rel: str, ranges: np.ndarray, old: bytes | memoryview, old_size: int) -> None:

@@ -93,7 +93,6 @@ compactor) may run on another thread; both take the journal's lock around segmen
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import mmap
 import os
@@ -275,11 +274,7 @@ class Journal(JournalReader):
         self._set_direct(True)
 
     def _set_direct(self, on: bool) -> None:
-        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-        except OSError:
-            on = False  # a file system without O_DIRECT: through the page cache
+        on = fileio.set_direct(self._fd, on) and on  # (refused: through the page cache)
         self.direct = on
         if not on:
             # Buffered from here on: a write starts at the append point, so no block is rewritten

@@ -401,12 +401,12 @@ class Overlay(OverlayCompaction):
                     continue
                 self._took.discard(name)
                 homed = self._homed.pop(name, []) if remapped else []
+                if homed is None:   # (too many listed: _went_home)
+                    idx = (w == HOME).nonzero().flatten()
+                elif homed:
+                    idx = torch.unique(torch.cat(homed))
+                    idx = idx.masked_select(w.index_select(0, idx) == HOME)
                 if homed is None or homed:
-                    if homed is None:
-                        idx = (w == HOME).nonzero().flatten()
-                    else:
-                        idx = torch.unique(torch.cat(homed))
-                        idx = idx.masked_select(w.index_select(0, idx) == HOME)
                     w.index_fill_(0, idx, 0)
                     self.pending_rows -= idx.numel()
                 if name not in self._positive:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import struct
@@ -226,7 +225,8 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
         try:
             fileio.ftruncate(fd, doff + dlen)   # (its size whatever its last part: a run of tombstones has no rows)
             crcs = _write_direct(fd, rows, doff, dlen) if direct else None
-            if crcs is None:
+            direct = crcs is not None   # (the rows went direct: so do the header and index)
+            if not direct:
                 for r, start in zip(rows, starts):
                     if r.numel():
                         pwrite_all(fd, r.contiguous().numpy(), doff + start)
@@ -247,7 +247,7 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
             assert len(index) == ilen
             head = HEAD.pack(RUN_MAGIC, RUN_VERSION, len(names), gen, ioff, ilen, doff, dlen, BLOCK)
             head += struct.pack("<I", crc32c_extend(0, head))
-            if _is_direct(fd):
+            if direct:
                 # The header page and the index, padded to the rows' page: one aligned write.
                 with _aligned(doff) as buf:
                     buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
@@ -257,7 +257,7 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
                 pwrite_all(fd, index, ioff)
                 pwrite_all(fd, head, 0)
             fileio.fdatasync(fd)
-            if not _is_direct(fd):
+            if not direct:
                 # (its pages are clean now: out of the page cache, which a DRAM cache's budget
                 # counts; its rows are read back a page at a time, if ever)
                 with contextlib.suppress(OSError):
@@ -293,7 +293,7 @@ def _write_direct(fd: int, parts: list, at: int, total: int) -> list[int] | None
     CPU a compaction, where the copy into the staging buffer is ~30 ms. A last partial block is
     written padded with zeros (direct writes are whole blocks) and the file cut back to its size
     after: ``write_run`` syncs after that."""
-    if not total or not _set_direct(fd, True):
+    if not total or not fileio.set_direct(fd, True):
         return None
     try:
         crcs: list[int] = []
@@ -325,22 +325,8 @@ def _write_direct(fd: int, parts: list, at: int, total: int) -> list[int] | None
             raise
         # (a file system that takes the flag but not the write: through the page cache, from
         # the start -- every byte is written again)
-        _set_direct(fd, False)
+        fileio.set_direct(fd, False)
         return None
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Turn ``O_DIRECT`` on or off for ``fd``; False where the file system refuses it."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
-def _is_direct(fd: int) -> bool:
-    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 @contextlib.contextmanager

@@ -52,20 +52,8 @@ def shm_root() -> Path:
 
 def detect_dax(path: str | os.PathLike) -> bool:
     """True when ``path`` sits on a filesystem mounted with the ``dax`` option."""
-    path = os.path.realpath(path)
-    best, dax = "", False
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 4:
-                    continue
-                mnt, opts = parts[1], parts[3].split(",")
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, dax = mnt, any(o == "dax" or o.startswith("dax=") and o != "dax=never" for o in opts)
-    except OSError:
-        return False
-    return dax
+    m = fileio.mount_entry(path)
+    return m is not None and any(o == "dax" or o.startswith("dax=") and o != "dax=never" for o in m[2])
 
 
 @dataclass(frozen=True)

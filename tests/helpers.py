@@ -74,10 +74,7 @@ def kill_writer_and_check_journal(code: str, d: Path, after: float, sizes: list[
 
 
 def file_system(path) -> str:
-    """The type of the file system ``path`` lies on (/proc/self/mounts' longest prefix)."""
-    best, kind = "", ""
-    for line in open("/proc/self/mounts"):
-        _, mnt, fs = line.split()[:3]
-        if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
-            best, kind = mnt, fs
-    return kind
+    """The type of the file system ``path`` lies on (``fileio.mount_entry``)."""
+    from memory_pool.fileio import mount_entry
+    m = mount_entry(path)
+    return m[1] if m is not None else ""
