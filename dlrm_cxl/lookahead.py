@@ -184,7 +184,8 @@ class WorkingCopyBound:
           afresh; every cache slot is clean then. Where dirty slots pass :data:`CLEAN_AT_DIRTY`
           (or :data:`TRIM_EARLY_AT_DIRTY`, at the first recovery point after a compaction),
           the first time if the open replayed journal rows into the working copy (nothing lists
-          them), or while an on-demand replay of the journal is pending;
+          them; due at the run's first recovery point whatever it grew), or while an on-demand
+          replay of the journal is pending;
         * else a **refresh** (``MemoryPool.trim_working_copy(names, written)``): only the rows the cache
           wrote into the working copy since (``CacheArena.take_spilled``) go into the images, then
           they are mapped afresh: the clean pages the misses read are given back, for the cost
@@ -195,7 +196,10 @@ class WorkingCopyBound:
         self.peak = max(self.peak, grown)
         frac = self.arena.dirty_fraction if self.arena is not None else 0.0
         dirty = frac >= self.CLEAN_AT_DIRTY or (frac >= self.TRIM_EARLY_AT_DIRTY and self._early_trim_due())
-        if grown <= self.allowance and not dirty:
+        # (a resumed run whose open replayed journal rows into the working copy trims at its first
+        # recovery point whatever it grew: those pages were there when the floor was taken, so no
+        # growth ever shows them, and nothing but a trim gives them back)
+        if grown <= self.allowance and not dirty and self._trimmed:
             return False
         t0 = time.perf_counter()
         full = dirty or self.arena is None or not self._trimmed or self.pool.journal_rows_pending

@@ -238,7 +238,9 @@ def test_a_trim_keeps_the_newest_recovery_point_so_a_run_behind_a_cache_resumes_
         digest = train(pool, 20, tier="pmem", dram_cache_bytes=BUDGET, window=4)[0]  # (one more open)
     finally:
         del os.environ["DLRM_CXL_SEGMENT_MB"]
-    assert trims >= 3, (trims, runs)
+    # (each resumed run: its open replayed journal rows, so its one recovery point trims, whatever
+    # the working copy was measured to have grown -- WorkingCopyBound.after_commit)
+    assert all(r["journal_rows_at_open"] and r["trims"] >= 1 for r in runs[1:]), (trims, runs)
     assert digest == train(tmp_path / "plain", 20)[0]
 
 
