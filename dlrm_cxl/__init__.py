@@ -16,3 +16,9 @@ class _NoFxTracingNotice(_logging.Filter):
 # Before torch or TorchRec is imported by anything of this package (the logger is torch's own,
 # by its module name; a filter set now stays when torch configures its logging).
 _logging.getLogger("torch.fx._symbolic_trace").addFilter(_NoFxTracingNotice())
+
+# MKL's mode pinned before anything of this package imports TorchRec, whose import runs a GEMM
+# (MKL takes its mode at its first call): dlrm_cxl/arithmetic.py.
+from .arithmetic import pin_mkl_mode as _pin_mkl_mode  # noqa: E402
+
+_pin_mkl_mode()

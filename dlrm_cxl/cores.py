@@ -17,15 +17,11 @@ embedding kernels were checked by a run: `kaggle`, 12 steps, ``--threads 1`` and
 ``state_digest``). Where it differs, the count is left alone. ``DLRM_CXL_YIELD_CORE=0`` turns it
 off.
 
-It differs on some hosts: on the Intel Xeon host of 2026-12-06, MKL split the `kaggle` MLPs'
-GEMMs at batch 2048 by thread count, so the probe said no and no step yielded (the bench's
-``--every`` prints "no yield"). ``MKL_CBWR=AUTO,STRICT`` in the environment makes them
-bit-identical on any count at no cost in their time (fwd+bwd 24-26 ms either way); MKL reads it
-once, before torch's first GEMM, so it must be set before the process starts -- for ``train`` and
-for ``recover`` alike, since a replay must run the steps' own arithmetic (README, "Tables larger
-than DRAM", tenth session; each run records it, and a replay under another stops at the
-window's start: ``replay_source.check_replay_settings``). Not set by dlrm-cxl itself: a process
-that imported torch first could not follow it.
+It differed on the Intel Xeon host of 2026-12-06: in MKL's default mode its GEMMs split the
+`kaggle` MLPs' work at batch 2048 by thread count, the probe said no and no step yielded. MKL's
+mode is pinned since to ``AUTO,STRICT`` when ``dlrm_cxl`` is imported (dlrm_cxl/arithmetic.py:
+the same bits on any count, at no measured cost in the MLPs' time), and each run records the
+mode a replay must run in (``replay_source.check_replay_settings``).
 The compaction's first phase, reading its journal in (``Compaction.reading``), yields nothing:
 the pool's ``compactor_computing`` is False until it computes.
 """

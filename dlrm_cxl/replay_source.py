@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .arithmetic import mkl_mode
 from .errors import ReplaySourceError
 
 __all__ = ["data_identity", "check_replay_source", "check_replay_settings", "run_settings"]
@@ -51,28 +52,28 @@ def check_replay_source(recorded: dict | None, data: str | None, *, first: int, 
 def run_settings(threads: int, kernel: str, device: str, dram_cache_bytes: int | None = None) -> dict:
     """What a replay must run with to be bit-exact, recorded in the pool at each run's start:
     torch's threads, the kernels the steps ran on (fused, or the reference path: also what a
-    DRAM row cache or several ranks imply), the device, the DRAM cache's budget, and
-    ``MKL_CBWR`` as the process started with it (MKL's GEMMs give other bits under another
-    mode, and a process cannot change it once torch has run one: dlrm_cxl/cores.py)."""
+    DRAM row cache or several ranks imply), the device, the DRAM cache's budget, and the mode
+    MKL runs in, spelled as ``MKL_CBWR`` sets it (MKL's GEMMs give other bits under another
+    mode, and a process cannot change it once MKL has run: dlrm_cxl/arithmetic.py)."""
     return {"threads": threads, "kernel": kernel, "device": device, "dram_cache_bytes": dram_cache_bytes,
-            "mkl_cbwr": os.environ.get("MKL_CBWR")}
+            "mkl_cbwr": mkl_mode()}
 
 
 def check_replay_settings(run: dict | None, *, first: int, last: int, step: int) -> None:
     """Raise ReplaySourceError when this process cannot repeat the arithmetic of the steps
-    ``first..last``: they ran under another ``MKL_CBWR`` (``run``: the pool's ``run`` meta; a
-    pool that recorded none is not checked). The other settings the replay takes from ``run``."""
+    ``first..last``: they ran under another MKL mode (``run``: the pool's ``run`` meta; a pool
+    that recorded none is not checked). The other settings the replay takes from ``run``."""
     if not run or "mkl_cbwr" not in run:
         return
-    had, now = run["mkl_cbwr"], os.environ.get("MKL_CBWR")
+    had, now = run["mkl_cbwr"], mkl_mode()
     if had != now:
         what = f"steps {first}..{last}" if last > first else f"step {first}"
         raise ReplaySourceError(
-            f"{what} ran with MKL_CBWR {_shown(had)} and this process has it {_shown(now)}: MKL's GEMMs would not "
+            f"{what} ran with MKL_CBWR {_shown(had)} and this process runs MKL with {_shown(now)}: its GEMMs would not "
             f"repeat their arithmetic, so the pool stays at step {step}, the start of its recovery window",
-            hint=(f"export MKL_CBWR={had}" if had is not None else "unset MKL_CBWR") +
+            hint=(f"export MKL_CBWR={had}" if had is not None else "export MKL_CBWR= (empty: MKL's default mode)") +
                  " before starting `dlrm-cxl recover` (or `train`) and run it again; the records are kept")
 
 
 def _shown(value: str | None) -> str:
-    return "unset" if value is None else repr(value)
+    return "MKL's default mode" if value is None else repr(value)

@@ -3,6 +3,7 @@ thread fewer while a compaction runs, only where the result is the same bit for 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,3 +106,36 @@ def test_a_model_whose_result_depends_on_the_thread_count_keeps_every_thread(mon
         assert not cores.enabled and cores.steps_yielded == 0 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+_MODE_AND_INVARIANCE = """
+    import sys
+    {first}
+    import torch
+    from torchrec.models.dlrm import DenseArch, OverArch
+    from dlrm_cxl.arithmetic import mkl_mode
+    from dlrm_cxl.cores import thread_count_invariant
+
+    class Mlps(torch.nn.Module):   # (`kaggle`'s: 13 dense features, 26 tables of 64 columns)
+        def __init__(self):
+            super().__init__()
+            self.dense_arch = DenseArch(13, [512, 256, 64])
+            self.over_arch = OverArch(64 + 27 * 26 // 2, [512, 256, 1])
+
+    print(mkl_mode(), thread_count_invariant(Mlps(), 2048, 13, 2))
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
+def test_importing_dlrm_cxl_pins_mkl_to_a_mode_whose_gemms_give_one_result_on_one_thread_or_two(run_py):
+    # (on the Intel host of 2026-12-06 MKL's default mode gave the `kaggle` MLPs other bits on
+    # one thread than on two: no step yielded a core, and a replay on another core count failed)
+    # (the suite runs without MKL_CBWR in its environment, as a user's shell has it)
+    pinned = run_py(_MODE_AND_INVARIANCE.format(first="import dlrm_cxl")).stdout.split()
+    assert pinned == ["AUTO,STRICT", "True"]
+    # MKL takes its mode at its first GEMM, which `import torchrec` runs: too late then, and said
+    late = run_py(_MODE_AND_INVARIANCE.format(first="import torchrec, dlrm_cxl")).stdout.split()
+    assert late[0] == "None"
+    # A mode in the environment is the user's: MKL has read it, and it is left alone
+    chosen = run_py(_MODE_AND_INVARIANCE.format(first="import dlrm_cxl"), env={"MKL_CBWR": "COMPATIBLE"})
+    assert chosen.stdout.split()[0] == "COMPATIBLE"

@@ -194,16 +194,15 @@ def test_a_missing_data_file_stops_recovery_at_the_windows_start(cli, root):
 
 
 def test_a_replay_under_another_mkl_cbwr_stops_at_the_windows_start_and_goes_on_under_the_runs_own(cli, root):
-    # The run records MKL_CBWR as its process started with it (dlrm_cxl/cores.py: MKL's GEMMs
-    # give other bits under another mode, and no process can switch once MKL has started). A
-    # recover or train whose process has another stops at the window's start, the records kept.
-    # (Those processes get their own fork server: MKL reads the setting once per process.)
-    import os
+    # The run records the mode MKL ran in (dlrm_cxl/arithmetic.py: pinned to AUTO,STRICT unless
+    # MKL_CBWR says otherwise; MKL's GEMMs give other bits under another mode, and no process can
+    # switch once MKL has started). A recover or train whose process has another stops at the
+    # window's start, the records kept. (Those processes get their own fork server: MKL reads
+    # the setting once per process.)
     pool = root / "mkl"
     assert killed(cli.run(["train", "--pool", pool, *flags("pmem", "--window", W), "--steps", N,
                            "--crash-at", "8:before-commit"]))
-    had = os.environ.get("MKL_CBWR")   # (what the run's process had: cli's server has this environment)
-    other = torture.Cli(env={"MKL_CBWR": "COMPATIBLE" if had != "COMPATIBLE" else "AVX2"})
+    other = torture.Cli(env={"MKL_CBWR": "COMPATIBLE"})   # (the run's: AUTO,STRICT, dlrm-cxl's own)
     try:
         r = other.run(["recover", "--pool", pool])
         assert r.returncode == 12, (r.returncode, r.stdout, r.stderr[-2000:])
