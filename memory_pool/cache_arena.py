@@ -326,7 +326,7 @@ class CacheArena:
         if self.write_back:
             flat, counts = self._flat_rows(rows, flat)
             if flat.numel():
-                with self._lock:
+                with self._lock, intra_op_threads(1):   # (small ops: as in begin)
                     gslot = self._map.index_select(0, flat).to(torch.int64) + \
                         torch.repeat_interleave(self._slot_base[:-1], counts)
                     new = torch.masked_select(gslot, ~self._dirty.index_select(0, gslot))
