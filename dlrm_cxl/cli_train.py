@@ -92,8 +92,7 @@ def cmd_train(args) -> int:
             raise with_cli_hint(exc, cfg or stored_config(stored_at)) from None
         try:
             summary = trainer.run()
-            digest = trainer.digest()
-            model_digest = trainer.digest(resume=False)
+            digest, model_digest = trainer.digests()
             # what --skip-bad-lines skipped in the data trained on (up to the last step's batch,
             # not the read-ahead): distinct bad lines, times skipped, passes that skipped one
             skips = trainer.source.skip_report(upto=trainer.position_of(trainer.step)) \

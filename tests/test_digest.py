@@ -217,3 +217,16 @@ def test_combine_digests_is_ordered():
     a, b = "0" * 64, "f" * 64
     assert combine_digests([a, b]) != combine_digests([b, a])
     assert combine_digests([a, b]) == combine_digests([a, b])
+
+
+def test_both_digests_from_one_read_of_the_tables_are_the_state_and_the_model_digest(state):
+    # (what `train` prints at its end: the tables read once for both)
+    from checkpointing.digest import model_digest, state_and_model_digest
+
+    cfg, pool, dense = state
+    both = state_and_model_digest(pool, dense)
+    assert both == (state_digest(pool, dense), model_digest(pool, dense))
+    assert both[0] != both[1]   # (the data position and the RNG states are the state's only)
+    _embedding_row(cfg, pool, dense)   # a row changed: both see it
+    again = state_and_model_digest(pool, dense)
+    assert again[0] != both[0] and again[1] != both[1]
