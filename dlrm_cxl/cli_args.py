@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change these on an existing pool on purpose, from its current step on (comma-separated: "
                         "lr, dense_lr, data; e.g. --override lr --lr 0.01 after a diverged run). Recorded in the "
                         "pool's history (inspect --json: meta.history)")
+    t.add_argument("--no-digest", action="store_true",
+                   help="skip the state and model digests at the end (they read every row once: "
+                        "`kaggle`'s 8.8 GB, from the device where the tables live beyond DRAM)")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (by default a bar on a terminal; elsewhere, e.g. a log file, a "
                         "line every 10 s)")

@@ -106,6 +106,17 @@ def test_device_cuda_without_cuda_is_exit_2(tmp_path):
 # --------------------------------------------------------------------------- train / inspect / eval
 
 
+def test_train_with_no_digest_prints_none_and_inspect_still_computes_it(tmp_path):
+    # (the digests read every row once: minutes for tables beyond DRAM; inspect has them later)
+    pool = tmp_path / "p"
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 3, "--no-digest")
+    assert code == 0 and "done: step 3" in out and not DIGEST_RE.search(out), (out, err)
+    code, js, _ = run_main("train", "--pool", pool, *TINY, "--steps", 4, "--no-digest", "--json")
+    assert code == 0 and json.loads(js)["state_digest"] is None
+    code, text, _ = run_main("inspect", "--pool", pool)
+    assert code == 0 and DIGEST_RE.search(text)
+
+
 def test_train_inspect_eval_in_process(trained):
     pool, out, err, digest = trained
     # banner: the tier and what it survives
