@@ -92,11 +92,21 @@ def state_and_model_digest(pool, dense_state: dict | None) -> tuple[str, str]:
     return h.hexdigest(), m.hexdigest()
 
 
+_CHUNK_BYTES = 64 << 20   # a table is read and hashed this much at a time
+
+
 def _tables_hash(pool):
     h = hashlib.blake2b(digest_size=32)
     for name in sorted(pool.tables()):
         h.update(f"[table {name}]".encode())
-        _tensor_bytes(h, pool.table(name).view())
+        t = pool.table(name)
+        # (as _tensor_bytes would hash the whole table, read in pieces that change nothing:
+        # Table.snapshot; the view would first apply every pending row and flush the cache)
+        h.update(f"{t.dtype}{(t.num_embeddings, t.embedding_dim)}".encode())
+        step = max(1, _CHUNK_BYTES // max(1, t.config.row_bytes))
+        for lo in range(0, t.num_embeddings, step):
+            rows = t.snapshot(lo, min(lo + step, t.num_embeddings))
+            h.update(memoryview(rows.reshape(-1).view(torch.uint8).numpy()).cast("B"))
     return h
 
 

@@ -61,6 +61,17 @@ class CacheMember:
         (``ready``: as :meth:`read`'s)."""
         return self._read(ids, ready)[0]
 
+    def newer_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """The cached rows among ``ids`` written over their places in ``out`` (``[ids, dim]``):
+        their slots' values, each row's newest (``Table.snapshot``)."""
+        a = self.arena
+        g = a.groups[self.group]
+        with a.lock:
+            slot = g.row_slot.index_select(0, ids).to(torch.int64)
+            hit = slot >= 0
+            if bool(hit.any()):
+                out[hit] = g.slots[self.member].index_select(0, slot[hit])
+
     def _read(self, ids: torch.Tensor, ready) -> tuple[torch.Tensor, int, int]:
         """The cached rows of ``ids`` from their slots, the others from the home, ``ready(those
         rows)`` first. Returns (rows, bytes from DRAM, bytes from home)."""

@@ -198,6 +198,24 @@ class Table:
             self._cache.flush()  # (a write-back cache's newer rows first: the view is the table)
         return self._region.tensor
 
+    def snapshot(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo..hi-1``'s values, a copy, read without changing the pool: the home's, then
+        a pending replay's or the row overlay's newer value (:meth:`pending_values`), then a
+        write-back DRAM cache's newer one. What :meth:`view` shows, without what it does first
+        -- every pending row applied into the working copy, the cache flushed, the table's
+        fresh rows forgotten -- so a digest of a table beyond DRAM reads each row once and
+        writes none (`kaggle` behind a 2.2 GB cache: the view took the runs' rows into the
+        working copy, 36 s and GBs of copy-on-write pages, before 88 s of hashing)."""
+        self._host.check_open()
+        ids = torch.arange(lo, hi, dtype=torch.int64)
+        out = self._region.tensor[lo:hi].clone()
+        got = self.pending_values(ids) if ids.numel() else None
+        if got is not None:
+            out[got[0]] = got[1].view(out.dtype).view(-1, out.shape[1])
+        if self.cache_holds_newer:
+            self._cache.newer_into(ids, out)
+        return out
+
     # -- hot path (callers have validated)
     # (every row path first applies the rows of ids an on-demand replay has not applied yet)
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:

@@ -578,3 +578,23 @@ def test_sigkill_with_the_cache_active_recovers_bit_exact(cli, root, uncached, t
     created = re.search(r" ([\d,]+) of the rows missed never trained \(created, not read\)", res.stdout)
     assert created is not None, res.stdout[-2000:]
     assert (int(created.group(1).replace(",", "")) > 0) == (tier == "pmem"), res.stdout[-2000:]
+
+
+def test_a_digest_reads_the_rows_the_cache_and_the_journal_hold_newer_and_changes_nothing(tmp_path):
+    """The state digest of a trainer behind a write-back cache, on emulated pmem, read while the
+    cache holds dirty rows and a resumed run's journal rows are still pending (Table.snapshot):
+    nothing is flushed or applied, and it equals an uninterrupted uncached run's."""
+    pool = tmp_path / "p"
+    train(pool, 8, tier="pmem", dram_cache_bytes=BUDGET, window=WINDOW)
+    t = Trainer(TrainOptions(pool=str(pool), steps=16, threads=1, progress=False, tier="pmem",
+                             dram_cache_bytes=BUDGET, window=WINDOW), TINY, log=lambda s: None)
+    try:
+        t.run()
+        arena = t.model.cache_bags.arena
+        dirty, pending = arena.dirty_slots, t.pool.rows_pending
+        assert dirty > 0 and pending > 0   # (both sources of newer rows are there to be read)
+        digest = t.digest()
+        assert (arena.dirty_slots, t.pool.rows_pending) == (dirty, pending)
+    finally:
+        t.close()
+    assert digest == train(tmp_path / "plain", 16)[0]

@@ -150,9 +150,12 @@ def test_a_resume_applies_the_journals_rows_as_the_steps_need_them_and_ends_bit_
         deferred = tr.pool.stats.rows_deferred
         assert deferred > 0 and tr.pool.rows_pending == deferred  # the trainer's build applied none
         tr.run()
-        assert 0 < tr.pool.stats.rows_replayed and tr.pool.rows_pending < deferred
+        assert 0 < tr.pool.stats.rows_replayed and 0 < tr.pool.rows_pending < deferred
+        # (the digest reads the rows still pending with their journal values, and applies none:
+        # Table.snapshot; it equals the uninterrupted run's below)
+        pending = tr.pool.rows_pending
         digest = tr.digest()
-        assert tr.pool.rows_pending == 0
+        assert tr.pool.rows_pending == pending
     finally:
         tr.close()
     assert digest == straight
