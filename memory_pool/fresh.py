@@ -178,6 +178,19 @@ class FreshRows:
         b = self._bits.get(name)
         return 0 if b is None else int(np.unpackbits(b).sum())
 
+    def initial(self, name: str, lo: int, hi: int) -> tuple[np.ndarray, InitSpec] | None:
+        """Which of rows ``lo..hi-1`` of ``name`` still hold their initial value (a bool mask
+        over the range) and how to make it; None where the table keeps no bitmap or none of
+        them does (``Table.snapshot``: such a row is made, not read)."""
+        with self._lock:
+            bits = self._bits.get(name)
+            if bits is None or hi <= lo:
+                return None
+            got = np.unpackbits(bits[lo >> 3:(hi + 7) >> 3], bitorder="little")
+            spec = self._specs[name]
+        mask = got[lo & 7:(lo & 7) + hi - lo].view(bool)
+        return (mask, spec) if mask.any() else None
+
     def written(self, name: str, ids: torch.Tensor | None = None) -> None:
         """Rows ``ids`` of ``name`` (None: any of them: a bulk load) are about to change."""
         with self._lock:

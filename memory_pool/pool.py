@@ -86,7 +86,7 @@ class MemoryPool:
                              ready_rows=self._ready_rows, persist_rows=self.persist_rows, bulk_load=self._bulk_load,
                              note_reset=self._note_reset, real_pmem=bool(self._real_pmem),
                              written=lambda name, ids=None: self.fresh.written(name, ids), exposed=self._exposed,
-                             peek_rows=lambda name, ids: self._replayer.peek(name, ids))
+                             peek_rows=lambda name, ids: self._replayer.peek(name, ids), initial_rows=lambda *a: self.fresh.initial(*a))
             self._tables = TableSet(host, cfgs, where=self.path, tier=tier, storage_dir=self.storage_dir,
                                     read_only=read_only, dram_cache_bytes=dram_cache_bytes)
             self._arena = self._tables.arena

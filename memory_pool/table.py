@@ -122,7 +122,8 @@ class TableHost:
     ``written(name, ids=None)``: rows ``ids`` (None: any) are about to change; ``exposed(name)``:
     the table's memory is handed out writable (both: ``FreshRows``, memory_pool/fresh.py).
     ``peek_rows(name, ids)``: the rows among ``ids`` not applied yet, and their values, read
-    but not applied (``Replayer.peek``)."""
+    but not applied (``Replayer.peek``). ``initial_rows(name, lo, hi)``: which of rows
+    ``lo..hi-1`` still hold their initial value, and its spec (``FreshRows.initial``)."""
 
     stats: PoolStats
     check_open: Callable[[], None]
@@ -135,6 +136,7 @@ class TableHost:
     written: Callable[..., None] = lambda name, ids=None: None   # rows about to change (memory_pool/fresh.py)
     exposed: Callable[[str], None] = lambda name: None          # memory handed out writable (Table.view)
     peek_rows: Callable[..., tuple | None] = lambda name, ids: None  # pending rows' values (Replayer.peek)
+    initial_rows: Callable[..., tuple | None] = lambda name, lo, hi: None  # rows still initial (FreshRows)
 
 
 class Table:
@@ -201,14 +203,25 @@ class Table:
     def snapshot(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo..hi-1``'s values, a copy, read without changing the pool: the home's, then
         a pending replay's or the row overlay's newer value (:meth:`pending_values`), then a
-        write-back DRAM cache's newer one. What :meth:`view` shows, without what it does first
+        write-back DRAM cache's newer one (rows still at their initial value are made from it,
+        not read: ``FreshRows.initial``). What :meth:`view` shows, without what it does first
         -- every pending row applied into the working copy, the cache flushed, the table's
         fresh rows forgotten -- so a digest of a table beyond DRAM reads each row once and
         writes none (`kaggle` behind a 2.2 GB cache: the view took the runs' rows into the
         working copy, 36 s and GBs of copy-on-write pages, before 88 s of hashing)."""
         self._host.check_open()
         ids = torch.arange(lo, hi, dtype=torch.int64)
-        out = self._region.tensor[lo:hi].clone()
+        init = self._host.initial_rows(self.name, lo, hi)
+        if init is None:
+            out = self._region.tensor[lo:hi].clone()
+        else:
+            # Rows still at their initial value are made, not read: on `kaggle` behind the cache
+            # most rows were never trained, and reading them faulted in the whole image.
+            fresh = torch.from_numpy(init[0])
+            out = torch.empty(hi - lo, self.embedding_dim, dtype=self.dtype)
+            old = ids[~fresh]
+            out[~fresh] = self._region.tensor.index_select(0, old)
+            out[fresh] = init[1].values(ids[fresh], self.embedding_dim)
         got = self.pending_values(ids) if ids.numel() else None
         if got is not None:
             out[got[0]] = got[1].view(out.dtype).view(-1, out.shape[1])

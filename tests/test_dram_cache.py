@@ -582,8 +582,9 @@ def test_sigkill_with_the_cache_active_recovers_bit_exact(cli, root, uncached, t
 
 def test_a_digest_reads_the_rows_the_cache_and_the_journal_hold_newer_and_changes_nothing(tmp_path):
     """The state digest of a trainer behind a write-back cache, on emulated pmem, read while the
-    cache holds dirty rows and a resumed run's journal rows are still pending (Table.snapshot):
-    nothing is flushed or applied, and it equals an uninterrupted uncached run's."""
+    cache holds dirty rows and a resumed run's journal rows are still pending (Table.snapshot;
+    rows never trained are made from the initializer, not read): nothing is flushed or
+    applied, and it equals an uninterrupted uncached run's."""
     pool = tmp_path / "p"
     train(pool, 8, tier="pmem", dram_cache_bytes=BUDGET, window=WINDOW)
     t = Trainer(TrainOptions(pool=str(pool), steps=16, threads=1, progress=False, tier="pmem",
