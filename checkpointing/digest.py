@@ -29,9 +29,14 @@ import torch
 __all__ = ["state_digest", "model_digest", "state_and_model_digest", "combine_digests"]
 
 
+def _tensor_head(h, dtype: torch.dtype, shape) -> None:
+    """What precedes a tensor's bytes (a table hashed in pieces has the same: _tables_hash)."""
+    h.update(f"{dtype}{tuple(shape)}".encode())
+
+
 def _tensor_bytes(h, t: torch.Tensor) -> None:
     t = t.detach().cpu().contiguous()
-    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    _tensor_head(h, t.dtype, t.shape)
     if t.numel():
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B"))
 
@@ -102,7 +107,7 @@ def _tables_hash(pool):
         t = pool.table(name)
         # (as _tensor_bytes would hash the whole table, read in pieces that change nothing:
         # Table.snapshot; the view would first apply every pending row and flush the cache)
-        h.update(f"{t.dtype}{(t.num_embeddings, t.embedding_dim)}".encode())
+        _tensor_head(h, t.dtype, (t.num_embeddings, t.embedding_dim))
         step = max(1, _CHUNK_BYTES // max(1, t.config.row_bytes))
         for lo in range(0, t.num_embeddings, step):
             rows = t.snapshot(lo, min(lo + step, t.num_embeddings))

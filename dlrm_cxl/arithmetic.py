@@ -6,7 +6,7 @@ MLPs' GEMMs at batch 2048 gave other bits on one thread than on two. A step run 
 fewer while the pool compacts (dlrm_cxl/cores.py) was then refused on that host, and a replay on
 a machine with another core count would stop at its first step. MKL's conditional numerical
 reproducibility mode ``AUTO,STRICT`` (what ``MKL_CBWR=AUTO,STRICT`` selects) gives one result on
-any count, at no measured cost in the MLPs' time there (fwd+bwd 24-26 ms either way).
+any count, at ~1 % of the MLPs' time there (``tools/bench_mkl_mode.py``: 28.55 against 28.14 ms).
 
 MKL takes its mode once, at its first call (a GEMM); ``import torchrec`` makes one. So
 :func:`pin_mkl_mode` runs when this package is imported, before it imports TorchRec: a program
@@ -21,6 +21,7 @@ pinned and the mode reads None, as MKL's default does.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -35,8 +36,9 @@ _BRANCHES = {2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: 
              10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1", 14: "AVX512_E1"}
 
 
+@functools.cache
 def _mkl():
-    """torch's MKL service calls (get, set), or None where this torch has no MKL."""
+    """torch's MKL service calls (get, set), or None where this torch has no MKL (looked up once)."""
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
         get, put = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set

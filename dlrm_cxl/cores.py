@@ -20,7 +20,7 @@ off.
 It differed on the Intel Xeon host of 2026-12-06: in MKL's default mode its GEMMs split the
 `kaggle` MLPs' work at batch 2048 by thread count, the probe said no and no step yielded. MKL's
 mode is pinned since to ``AUTO,STRICT`` when ``dlrm_cxl`` is imported (dlrm_cxl/arithmetic.py:
-the same bits on any count, at no measured cost in the MLPs' time), and each run records the
+the same bits on any count, at ~1 % of the MLPs' time), and each run records the
 mode a replay must run in (``replay_source.check_replay_settings``).
 The compaction's first phase, reading its journal in (``Compaction.reading``), yields nothing:
 the pool's ``compactor_computing`` is False until it computes.

@@ -218,9 +218,9 @@ class Table:
             # Rows still at their initial value are made, not read: on `kaggle` behind the cache
             # most rows were never trained, and reading them faulted in the whole image.
             fresh = torch.from_numpy(init[0])
+            kept = ~fresh
             out = torch.empty(hi - lo, self.embedding_dim, dtype=self.dtype)
-            old = ids[~fresh]
-            out[~fresh] = self._region.tensor.index_select(0, old)
+            out[kept] = self._region.tensor.index_select(0, ids[kept])
             out[fresh] = init[1].values(ids[fresh], self.embedding_dim)
         got = self.pending_values(ids) if ids.numel() else None
         if got is not None:

@@ -409,3 +409,22 @@ def test_first_touches_keep_one_numbering_and_gather_the_same_rows_as_pair_by_pa
         assert partial >= 2  # (later steps of the window touch fewer rows first)
     finally:
         tr.close()
+
+
+def test_the_replay_settings_check_names_the_mode_to_export_for_a_run_in_mkls_default_or_another():
+    # (the message and hint of the stop above, for both kinds of record; this process runs pinned)
+    from dlrm_cxl.arithmetic import PINNED, mkl_mode
+    from dlrm_cxl.errors import ReplaySourceError
+    from dlrm_cxl.replay_source import check_replay_settings
+
+    assert mkl_mode() == PINNED
+    check_replay_settings({"mkl_cbwr": PINNED}, first=5, last=7, step=4)   # the same: goes on
+    check_replay_settings({"threads": 1}, first=5, last=7, step=4)         # recorded none: not checked
+    with pytest.raises(ReplaySourceError) as e:
+        check_replay_settings({"mkl_cbwr": None}, first=5, last=7, step=4)
+    assert "steps 5..7 ran with MKL_CBWR MKL's default mode" in str(e.value) and "stays at step 4" in str(e.value)
+    assert e.value.hint.startswith("export MKL_CBWR= (empty") and e.value.exit_code == 12
+    with pytest.raises(ReplaySourceError) as e:
+        check_replay_settings({"mkl_cbwr": "COMPATIBLE"}, first=5, last=5, step=4)
+    assert "step 5 ran with MKL_CBWR 'COMPATIBLE'" in str(e.value)
+    assert e.value.hint.startswith("export MKL_CBWR=COMPATIBLE before")
