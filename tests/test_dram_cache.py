@@ -133,6 +133,80 @@ def test_a_step_that_admits_rows_while_a_prefetch_lets_go_of_the_lock_leaves_one
     pool.close()
 
 
+def _begin_checked(arena, members, rows, seq=None):
+    """begin() for one id per distinct row; asserts each slot holds its row's home value."""
+    seq, slots = arena.begin(rows, torch.cat(rows), [r.numel() for r in rows], seq=seq)
+    for g, (ids, s) in enumerate(zip(rows, slots.split([r.numel() for r in rows]))):
+        for m in range(2):
+            assert bool((s >= 0).all()) and torch.equal(arena.groups[g].slots[m][s], members[g][m].view()[ids])
+    return seq, slots
+
+
+def test_a_batch_the_prefetch_made_resident_whole_begins_without_looking_its_rows_up_again(tmp_path, monkeypatch):
+    """begin() of a batch whose every row the prefetch admitted only translates its ids: the
+    same slots as a lookup, and the rows' ref bits already set (as the lookup set them)."""
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (10, 10))
+    looked, stamp = [], CacheArena._stamp_hits
+    monkeypatch.setattr(CacheArena, "_stamp_hits", lambda self, *a: looked.append(a[-1]) or stamp(self, *a))
+    rows = [torch.tensor([1, 7]), torch.tensor([3])]
+    seq = arena.prefetch(rows)
+    assert looked == [seq]
+    assert all(bool(g.ref[g.row_slot[r].long()].all()) for g, r in zip(arena.groups, rows))
+    _, slots = _begin_checked(arena, members, rows, seq)
+    assert looked == [seq] and arena.stats.hits == arena.stats.rows_needed == 3
+    arena.end(rows, seq)
+    other = [torch.tensor([1, 7]), torch.tensor([3])]  # (equal rows, another list: not the batch planned)
+    seq2 = arena.prefetch(other)
+    _, again = _begin_checked(arena, members, [r.clone() for r in other], seq2)
+    assert looked == [seq, seq2, seq2] and torch.equal(again, slots)     # looked up: the plan's rows were not given
+    pool.close()
+
+
+def test_a_step_that_steals_a_prefetched_batchs_slot_makes_that_batch_look_its_rows_up_again(tmp_path):
+    """A step whose prefetch was skipped (no free slot then) may take a slot of a batch planned
+    after it that was prefetched whole; that batch's begin then reads the row again instead of
+    translating its ids to a slot that holds another row."""
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (2, 10))
+    none = torch.empty(0, dtype=torch.int64)
+    first = [torch.tensor([0, 1]), none]
+    s0 = arena.prefetch(first)                                   # a's two slots
+    s1 = arena.prefetch([torch.tensor([2]), none])               # no free slot: left to its step
+    _begin_checked(arena, members, first, s0)
+    arena.end(first, s0)
+    late = [torch.tensor([3, 4]), none]
+    s2 = arena.prefetch(late)                                    # the slots s0 freed, whole
+    assert s2 in arena._complete and s1 not in arena._complete
+    _begin_checked(arena, members, [torch.tensor([2]), none], s1)  # steals one of s2's slots
+    assert arena.stats.prefetch_stolen == 1
+    arena.end([torch.tensor([2]), none], s1)
+    _begin_checked(arena, members, late, s2)                     # 3 or 4 read again, not slot -1
+    assert arena.stats.misses == 2                               # 2 at s1's begin, the stolen one at s2's
+    pool.close()
+
+
+def test_a_steal_while_a_prefetch_lets_go_of_the_lock_leaves_that_batch_to_look_its_rows_up(tmp_path, monkeypatch):
+    """A slot taken from planned batches between two groups of a prefetch (the lock let go)
+    may be one the prefetch just filled: that batch does not count as prefetched whole."""
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (10, 10))
+    still = CacheArena._still_missing
+
+    def a_step_steals(self, gi, miss, seq):
+        if gi == 1:
+            with self.lock:
+                self._took_planned_slots()
+        return still(self, gi, miss, seq)
+
+    monkeypatch.setattr(CacheArena, "_still_missing", a_step_steals)
+    seq = arena.prefetch([torch.tensor([1, 2]), torch.tensor([3])])
+    assert seq not in arena._complete
+    monkeypatch.setattr(CacheArena, "_still_missing", still)
+    assert arena.prefetch([torch.tensor([4]), torch.tensor([5])]) in arena._complete
+    pool.close()
+
+
 def test_a_filling_cache_takes_its_never_used_slots_in_order_as_the_clock_would_then_goes_round():
     """While a group still has slots that never held a row, from the clock's hand on, a miss
     takes the next of them as one range (no scan of their stamps); it is the scan's choice,
