@@ -200,19 +200,15 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    import torch
-
-    from memory_pool.durable import atomic_write
-
+    from .export import write_torchrec_state
     from .model_io import open_model
 
-    pool, cfg, model = open_model(args.pool)
+    # (on demand: the journal's and the runs' rows are read where they are, by Table.snapshot,
+    # not applied into the working copy first -- on `kaggle` up to a GB of journal rows over
+    # hundreds of thousands of image pages)
+    pool, cfg, model = open_model(args.pool, replay="on-demand")
     try:
-        import io
-
-        buf = io.BytesIO()
-        torch.save(model.export_torchrec(), buf)
-        atomic_write(args.out, buf.getvalue())
+        write_torchrec_state(model, args.out)  # (the tables streamed, not held: see there)
     finally:
         pool.close()
     print(f"wrote TorchRec DLRM state_dict ({len(cfg.feature_names)} tables) to {args.out}")

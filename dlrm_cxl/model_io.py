@@ -1,6 +1,6 @@
 """The model of a trainer pool from outside the training loop: its stored config, the model at
-its committed step (for ``eval`` and ``export``), and TorchRec state_dicts checked against a
-config before ``import`` creates a pool."""
+its committed step (for ``eval`` and ``export``: ``dlrm_cxl/export.py``), and TorchRec state_dicts
+checked against a config before ``import`` creates a pool."""
 
 from __future__ import annotations
 
@@ -26,16 +26,17 @@ def stored_config(pool_path) -> ModelConfig | None:
     return ModelConfig.from_dict(model) if model else None
 
 
-def open_model(pool_path, read_only: bool = True) -> tuple[MemoryPool, ModelConfig, PoolDLRM]:
+def open_model(pool_path, read_only: bool = True, replay: str = "eager") -> tuple[MemoryPool, ModelConfig, PoolDLRM]:
     """(pool, cfg, model) of a single-process trainer pool, the model's dense part at the
     committed step. Refuses a job of several ranks and a pool that needs recovery
-    (:func:`dlrm_cxl.pool_status.needs_recovery`: the same on every tier). The caller closes
-    the pool."""
+    (:func:`dlrm_cxl.pool_status.needs_recovery`: the same on every tier). ``replay``: as
+    ``MemoryPool.open``'s (``"on-demand"`` for a reader of every row through
+    ``Table.snapshot``: export). The caller closes the pool."""
     if is_job(pool_path):
         raise PoolFormatError(f"{pool_path} is a job of several ranks (tables sharded across rank-*/ pools); "
                               f"eval and export read a single-process pool",
                               hint="inspect and recover take the job directory; train a single-process pool to export")
-    pool = MemoryPool.open(pool_path, read_only=read_only, consistent=read_only)
+    pool = MemoryPool.open(pool_path, read_only=read_only, consistent=read_only, replay=replay)
     try:
         if "model" not in pool.meta:
             raise PoolFormatError(f"{pool_path} holds no model (no trainer state)")

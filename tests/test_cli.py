@@ -347,6 +347,31 @@ def test_export_loads_into_torchrec_dlrm_and_import_recreates_the_tables(trained
     assert a == b
 
 
+def test_an_export_that_runs_out_of_disk_is_exit_6_and_leaves_the_last_export_and_no_scratch_file(trained, tmp_path):
+    """A real process whose files may not grow past 64 KiB (RLIMIT_FSIZE: EFBIG, as on a full
+    disk): the export stops with the typed error and a hint naming the directory, the file a
+    previous export wrote is untouched, and none of the export's scratch files stays."""
+    import resource
+    import signal
+
+    out = tmp_path / "out" / "dlrm.pt"
+    out.parent.mkdir()
+    out.write_bytes(b"the last export\n")
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (past the limit: EFBIG instead of the signal)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    p = subprocess.run([sys.executable, "-m", "dlrm_cxl", "export", "--pool", str(trained[0]), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd="/", preexec_fn=small_files,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert_clean_error(p.returncode, p.stderr, 6, "free disk space in", str(out.parent))
+    assert out.read_bytes() == b"the last export\n"
+    assert os.listdir(out.parent) == ["dlrm.pt"]
+    assert run_main("export", "--pool", trained[0], "--out", out)[0] == 0   # (the same with room)
+    assert os.listdir(out.parent) == ["dlrm.pt"] and out.stat().st_size > 64 << 10
+
+
 def test_import_of_a_state_that_does_not_fit_is_exit_2_and_creates_nothing(trained, tmp_path):
     out = tmp_path / "dlrm.pt"
     assert run_main("export", "--pool", trained[0], "--out", out)[0] == 0
