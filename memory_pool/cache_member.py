@@ -61,16 +61,20 @@ class CacheMember:
         (``ready``: as :meth:`read`'s)."""
         return self._read(ids, ready)[0]
 
-    def newer_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """The cached rows among ``ids`` written over their places in ``out`` (``[ids, dim]``):
-        their slots' values, each row's newest (``Table.snapshot``)."""
+    def newer_into(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The cached rows among ``ids`` written into their places in ``out`` (``[ids, dim]``):
+        their slots' values, each row's newest (a slot got it at its admission, from the
+        journal or a run where the home is older; ``Table.snapshot``). Returns which rows
+        those were (a bool mask over ``ids``): the others are the caller's to read."""
         a = self.arena
         g = a.groups[self.group]
         with a.lock:
             slot = g.row_slot.index_select(0, ids).to(torch.int64)
             hit = slot >= 0
-            if bool(hit.any()):
-                out[hit] = g.slots[self.member].index_select(0, slot[hit])
+            at = hit.nonzero().squeeze(1)
+            if at.numel():
+                out.index_copy_(0, at, g.slots[self.member].index_select(0, slot.index_select(0, at)))
+        return hit
 
     def _read(self, ids: torch.Tensor, ready) -> tuple[torch.Tensor, int, int]:
         """The cached rows of ``ids`` from their slots, the others from the home, ``ready(those
