@@ -623,6 +623,43 @@ def test_the_optimizer_states_homes_stay_in_memory_through_trims_and_train_bit_i
     assert digest == uncached[N]
 
 
+def _read_ahead_window(path) -> int:
+    """The device's read-ahead window under ``path`` (bytes; 128 KiB if it cannot be read)."""
+    dev = os.stat(path).st_dev
+    for q in (f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue/read_ahead_kb",
+              f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/../queue/read_ahead_kb"):
+        try:
+            return int(open(q).read()) << 10
+        except (OSError, ValueError):
+            pass
+    return 128 << 10
+
+
+def test_a_read_ahead_caches_a_whole_image_larger_than_the_devices_read_ahead_window(tmp_path):
+    """``FileRegion.read_ahead`` (the optimizer states kept in memory behind a cache) brings the
+    whole image into the page cache: one POSIX_FADV_WILLNEED reads at most the device's
+    read-ahead window (8 MiB here), so it asks piece by piece."""
+    import time
+
+    from memory_pool.residency import PAGE, page_cache_bytes
+
+    size = 2 * _read_ahead_window(tmp_path) + (1 << 20)
+    pool = MemoryPool.create(tmp_path / "p", tier="pmem")
+    try:
+        t = pool.create_table("states", size // 4, 1, init="uniform", seed=1)
+        r = t.region
+        r.drop_cache()
+        before = page_cache_bytes([r.path])
+        r.read_ahead()
+        whole = -(-r.nbytes // PAGE) * PAGE
+        deadline = time.monotonic() + 20
+        while page_cache_bytes([r.path]) < whole and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the reads are queued, not waited for)
+        assert before < whole // 2 and page_cache_bytes([r.path]) == whole
+    finally:
+        pool.close()
+
+
 def test_prefetched_batches_that_are_never_trained_change_nothing(root, uncached):
     pool = root / "unused"
     _, _, t = train(pool, N // 2, dram_cache_bytes=BUDGET)
