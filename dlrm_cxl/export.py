@@ -123,16 +123,17 @@ def write_torchrec_state(model: PoolDLRM, path) -> int:
         fileio.rename(tmp, path)
         fsync_dir(path.parent)  # the rename is durable only once the directory entry is
         return size
-    except OSError as exc:
+    except BaseException as exc:  # (an interrupt too: nothing of this export is left)
         try:
             fileio.unlink(tmp, missing_ok=True)
         except OSError:
             pass
-        if exc.errno in FULL_ERRNOS:
-            raise PoolFullError(f"writing {path}: {os.strerror(exc.errno)}; nothing was written",
-                                hint=f"free disk space in {path.parent}: the file takes about the tables' bytes "
-                                     f"and the dense model's") from exc
-        raise_if_full(exc, f"writing {path}")
+        if isinstance(exc, OSError):
+            if exc.errno in FULL_ERRNOS:
+                raise PoolFullError(f"writing {path}: {os.strerror(exc.errno)}; nothing was written",
+                                    hint=f"free disk space in {path.parent}: the file takes about the tables' "
+                                         f"bytes and the dense model's") from exc
+            raise_if_full(exc, f"writing {path}")
         raise
 
 

@@ -372,6 +372,35 @@ def test_an_export_that_runs_out_of_disk_is_exit_6_and_leaves_the_last_export_an
     assert os.listdir(out.parent) == ["dlrm.pt"] and out.stat().st_size > 64 << 10
 
 
+def test_an_export_stopped_midway_leaves_the_last_export_and_nothing_else(trained, tmp_path, monkeypatch):
+    """An export interrupted while it streams the tables (here: a KeyboardInterrupt from the
+    third piece read) removes its temporary file; the previous export stays as it was."""
+    from dlrm_cxl.export import write_torchrec_state
+    from dlrm_cxl.model_io import open_model
+    from memory_pool.table import Table
+
+    out = tmp_path / "out" / "dlrm.pt"
+    out.parent.mkdir()
+    out.write_bytes(b"the last export\n")
+    read, snapshot = [], Table.snapshot
+
+    def interrupted(self, lo, hi):
+        read.append((self.name, lo))
+        if len(read) == 3:
+            raise KeyboardInterrupt
+        return snapshot(self, lo, hi)
+
+    monkeypatch.setattr(Table, "snapshot", interrupted)
+    pool, _, model = open_model(trained[0], replay="on-demand")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write_torchrec_state(model, out)
+    finally:
+        pool.close()
+    assert len(read) == 3 and out.read_bytes() == b"the last export\n"
+    assert os.listdir(out.parent) == ["dlrm.pt"]
+
+
 def test_import_of_a_state_that_does_not_fit_is_exit_2_and_creates_nothing(trained, tmp_path):
     out = tmp_path / "dlrm.pt"
     assert run_main("export", "--pool", trained[0], "--out", out)[0] == 0
