@@ -26,6 +26,8 @@ import json
 import numpy as np
 import torch
 
+from memory_pool.threads import InOrder
+
 __all__ = ["state_digest", "model_digest", "state_and_model_digest", "combine_digests"]
 
 
@@ -102,16 +104,20 @@ _CHUNK_BYTES = 64 << 20   # a table is read and hashed this much at a time
 
 def _tables_hash(pool):
     h = hashlib.blake2b(digest_size=32)
-    for name in sorted(pool.tables()):
-        h.update(f"[table {name}]".encode())
-        t = pool.table(name)
-        # (as _tensor_bytes would hash the whole table, read in pieces that change nothing:
-        # Table.snapshot; the view would first apply every pending row and flush the cache)
-        _tensor_head(h, t.dtype, (t.num_embeddings, t.embedding_dim))
-        step = max(1, _CHUNK_BYTES // max(1, t.config.row_bytes))
-        for lo in range(0, t.num_embeddings, step):
-            rows = t.snapshot(lo, min(lo + step, t.num_embeddings))
-            h.update(memoryview(rows.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+    # (the pieces hashed on a thread of their own while the next one is read: blake2b took 9 s
+    # of the 20 of `kaggle`'s closing digests, one after the other)
+    with InOrder("dlrm-cxl-digest") as hashing:
+        for name in sorted(pool.tables()):
+            hashing.drain()  # (h's own updates below come after every piece fed before them)
+            h.update(f"[table {name}]".encode())
+            t = pool.table(name)
+            # (as _tensor_bytes would hash the whole table, read in pieces that change nothing:
+            # Table.snapshot; the view would first apply every pending row and flush the cache)
+            _tensor_head(h, t.dtype, (t.num_embeddings, t.embedding_dim))
+            step = max(1, _CHUNK_BYTES // max(1, t.config.row_bytes))
+            for lo in range(0, t.num_embeddings, step):
+                rows = t.snapshot(lo, min(lo + step, t.num_embeddings))
+                hashing.feed(h.update, memoryview(rows.reshape(-1).view(torch.uint8).numpy()).cast("B"))
     return h
 
 

@@ -26,7 +26,6 @@ import os
 import struct
 import zipfile
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from memory_pool import fileio
 from memory_pool.durable import FULL_ERRNOS, fsync_dir, raise_if_full
 from memory_pool.errors import PoolFullError
+from memory_pool.threads import InOrder
 
 from .model import PoolDLRM
 
@@ -106,17 +106,20 @@ def write_torchrec_state(model: PoolDLRM, path) -> int:
                     raise out.error from None
                 raise
             size = out.offset
-            with ThreadPoolExecutor(1, thread_name_prefix="dlrm-cxl-export-crc") as ex:
+            # (each piece's crc32 on a thread of its own while the next piece is read: zlib's
+            # crc32 of `kaggle`'s 8.6 GB took 18 s of the export's 58 on the one thread)
+            with InOrder("dlrm-cxl-export-crc") as crcs:
                 for (data_at, crc_at), (key, value) in zip(_records(fd, tmp, state), state.items()):
                     t = tables.get(key)
-                    crc, at = _Crc32(ex), data_at
+                    crc, at = _Crc32(), data_at
                     for piece in ([value] if t is None else _pieces(t)):
                         raw = piece.contiguous().view(-1).view(torch.uint8).numpy()
                         fileio.pwrite(fd, raw, at)
-                        crc.add(raw)
+                        crcs.feed(crc.extend, raw)
                         at += raw.nbytes
+                    crcs.drain()
                     for where in crc_at:
-                        fileio.pwrite(fd, struct.pack("<I", crc.value()), where)
+                        fileio.pwrite(fd, struct.pack("<I", crc.value), where)
             fileio.fsync(fd)  # the contents durable before the name points at them
         finally:
             fileio.close(fd)
@@ -138,28 +141,13 @@ def write_torchrec_state(model: PoolDLRM, path) -> int:
 
 
 class _Crc32:
-    """A crc32 over pieces in order, computed on ``ex``'s one thread while the caller reads the
-    next piece (zlib lets go of the GIL): on `kaggle` the crc32 of 8.6 GB took 18 s of the
-    export's 58 on the one thread. At most one piece waits for it (its memory)."""
+    """A crc32 extended piece by piece, in order (``InOrder`` feeds it)."""
 
-    def __init__(self, ex: ThreadPoolExecutor):
-        self._ex, self._crc, self._last = ex, 0, None
+    def __init__(self):
+        self.value = 0
 
-    def add(self, raw) -> None:
-        self._wait()
-        self._last = self._ex.submit(self._extend, raw)
-
-    def _extend(self, raw) -> None:
-        self._crc = zlib.crc32(raw, self._crc)
-
-    def _wait(self) -> None:
-        last: Future | None = self._last
-        if last is not None:
-            last.result()
-
-    def value(self) -> int:
-        self._wait()
-        return self._crc
+    def extend(self, raw) -> None:
+        self.value = zlib.crc32(raw, self.value)
 
 
 def _pieces(t):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
-__all__ = ["one_intra_op_thread", "intra_op_threads"]
+__all__ = ["one_intra_op_thread", "intra_op_threads", "InOrder"]
 
 _lock = threading.Lock()
 
@@ -52,3 +54,36 @@ def intra_op_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class InOrder:
+    """``fn(*args)`` for each call fed, in the order fed, on one background thread, while the
+    feeder makes the next one: a hash or checksum over a stream of large pieces (hashlib and
+    zlib let go of the GIL for them) beside the reads that make the pieces. At most one call
+    waits, so at most two pieces are alive. ``drain()`` waits for every call fed and raises the
+    first one's exception. A context manager: leaving it drains (unless an exception is
+    already on its way) and ends the thread."""
+
+    def __init__(self, name: str):
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._last: Future | None = None
+
+    def feed(self, fn: Callable, *args) -> None:
+        self.drain()
+        self._last = self._ex.submit(fn, *args)
+
+    def drain(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()
+
+    def __enter__(self) -> "InOrder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                self.drain()
+        finally:
+            self._ex.shutdown(wait=True)
+        return False
