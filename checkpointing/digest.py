@@ -26,7 +26,7 @@ import json
 import numpy as np
 import torch
 
-from memory_pool.threads import InOrder
+from memory_pool import InOrder
 
 __all__ = ["state_digest", "model_digest", "state_and_model_digest", "combine_digests"]
 

@@ -30,10 +30,9 @@ from pathlib import Path
 
 import torch
 
-from memory_pool import fileio
+from memory_pool import InOrder, fileio
 from memory_pool.durable import FULL_ERRNOS, fsync_dir, raise_if_full
 from memory_pool.errors import PoolFullError
-from memory_pool.threads import InOrder
 
 from .model import PoolDLRM
 

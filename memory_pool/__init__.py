@@ -15,7 +15,7 @@ from . import fileio
 from .durable import atomic_write, fsync_dir, json_crc, json_with_crc, parse_json_object
 from .gather import TouchedRows
 from .records import Fill
-from .threads import intra_op_threads, one_intra_op_thread
+from .threads import InOrder, intra_op_threads, one_intra_op_thread
 from .tiers import TIERS
 from .validation import env_mib
 from .transaction import Transaction, decode_logged_mark, decode_row_set, record_kind, undo_group_of
@@ -25,4 +25,4 @@ __all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "TIERS", "FORMAT_V
            "undo_group_of", "TouchedRows",
            # what checkpointing needs besides (durable files, the I/O layer, a lazily filled record part)
            "fileio", "atomic_write", "fsync_dir", "json_crc", "json_with_crc", "parse_json_object", "Fill",
-           "one_intra_op_thread", "intra_op_threads", "env_mib", "RegionInfo", "record_owner", "find_regions", "gc", *_errors_all]
+           "one_intra_op_thread", "intra_op_threads", "InOrder", "env_mib", "RegionInfo", "record_owner", "find_regions", "gc", *_errors_all]
