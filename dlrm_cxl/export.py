@@ -13,8 +13,8 @@ How (one pass over the tables, one write of the file):
 3. Each record's crc32, computed as its bytes went out, is written where the archive keeps it
    (the data descriptor after its bytes, and its central directory entry), so that the file
    checks as a zip (``zipfile.ZipFile.testzip``) as ``torch.save``'s own output does.
-4. fsync, rename over the output's name, fsync the directory: a crash leaves the old file or
-   the new one, never a torn one.
+4. fsync, rename over the output's name, fsync the directory (``durable.atomic_write_with``):
+   a crash leaves the old file or the new one, never a torn one.
 
 Before, the export held every table three times (a copy, the serialised bytes, a copy of
 those): more than this machine's 24 GB for `kaggle`'s 8.8 GB.
@@ -31,12 +31,11 @@ from pathlib import Path
 import torch
 
 from memory_pool import InOrder, fileio
-from memory_pool.durable import FULL_ERRNOS, fsync_dir, raise_if_full
-from memory_pool.errors import PoolFullError
+from memory_pool.durable import atomic_write_with
 
-from .model import PoolDLRM
+from .model import PoolDLRM, torchrec_table_key
 
-__all__ = ["write_torchrec_state", "table_key"]
+__all__ = ["write_torchrec_state"]
 
 PIECE_BYTES = 64 << 20   # a table is read and written this much at a time
 # A zip's local file header (30 bytes): signature, version, flags, (method, time, date, crc32 at
@@ -45,11 +44,6 @@ PIECE_BYTES = 64 << 20   # a table is read and written this much at a time
 # attributes), the local header's offset.
 _LOCAL = struct.Struct("<4s2sH18sHH")
 _CENTRAL = struct.Struct("<4s12sIIIHHH8sI")
-
-
-def table_key(name: str) -> str:
-    """The state_dict key of table ``name``'s weights in TorchRec's ``DLRM``."""
-    return f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"
 
 
 class _FdWriter:
@@ -85,58 +79,43 @@ class _FdWriter:
 def write_torchrec_state(model: PoolDLRM, path) -> int:
     """Write ``model``'s TorchRec ``DLRM`` state_dict (the keys and values of
     ``PoolDLRM.export_torchrec``) to ``path``, atomically and durably, with the tables streamed
-    (see the module). Returns the file's size. A full disk raises :class:`PoolFullError` with
-    the old file (if any) in place and nothing of this one left."""
+    (see the module). Returns the file's size. A full disk raises ``PoolFullError`` with the
+    old file (if any) in place and nothing of this one left."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    tables = {table_key(t.name): t for t in model.tables}
+    tables = {torchrec_table_key(t.name): t for t in model.tables}
     for key, t in tables.items():
         state[key] = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype)  # (untouched: no memory)
-    try:
-        fd = fileio.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    size = [0]
+
+    def fill(fd: int) -> None:
+        out = _FdWriter(fd)
         try:
-            out = _FdWriter(fd)
-            try:
-                with torch.serialization.skip_data():
-                    torch.save(state, out)
-            except RuntimeError:
-                if out.error is not None:  # (the write that failed, not torch's wrapping of it)
-                    raise out.error from None
-                raise
-            size = out.offset
-            # (each piece's crc32 on a thread of its own while the next piece is read: zlib's
-            # crc32 of `kaggle`'s 8.6 GB took 18 s of the export's 58 on the one thread)
-            with InOrder("dlrm-cxl-export-crc") as crcs:
-                for (data_at, crc_at), (key, value) in zip(_records(fd, tmp, state), state.items()):
-                    t = tables.get(key)
-                    crc, at = _Crc32(), data_at
-                    for piece in ([value] if t is None else _pieces(t)):
-                        raw = piece.contiguous().view(-1).view(torch.uint8).numpy()
-                        fileio.pwrite(fd, raw, at)
-                        crcs.feed(crc.extend, raw)
-                        at += raw.nbytes
-                    crcs.drain()
-                    for where in crc_at:
-                        fileio.pwrite(fd, struct.pack("<I", crc.value), where)
-            fileio.fsync(fd)  # the contents durable before the name points at them
-        finally:
-            fileio.close(fd)
-        fileio.rename(tmp, path)
-        fsync_dir(path.parent)  # the rename is durable only once the directory entry is
-        return size
-    except BaseException as exc:  # (an interrupt too: nothing of this export is left)
-        try:
-            fileio.unlink(tmp, missing_ok=True)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            if exc.errno in FULL_ERRNOS:
-                raise PoolFullError(f"writing {path}: {os.strerror(exc.errno)}; nothing was written",
-                                    hint=f"free disk space in {path.parent}: the file takes about the tables' "
-                                         f"bytes and the dense model's") from exc
-            raise_if_full(exc, f"writing {path}")
-        raise
+            with torch.serialization.skip_data():
+                torch.save(state, out)
+        except RuntimeError:
+            if out.error is not None:  # (the write that failed, not torch's wrapping of it)
+                raise out.error from None
+            raise
+        size[0] = out.offset
+        # (each piece's crc32 on a thread of its own while the next piece is read: zlib's
+        # crc32 of `kaggle`'s 8.6 GB took 18 s of the export's 58 on the one thread)
+        with InOrder("dlrm-cxl-export-crc") as crcs:
+            for (data_at, crc_at), (key, value) in zip(_records(fd, state), state.items()):
+                t = tables.get(key)
+                crc, at = _Crc32(), data_at
+                for piece in ([value] if t is None else _pieces(t)):
+                    raw = piece.contiguous().view(-1).view(torch.uint8).numpy()
+                    fileio.pwrite(fd, raw, at)
+                    crcs.feed(crc.extend, raw)
+                    at += raw.nbytes
+                crcs.drain()
+                for where in crc_at:
+                    fileio.pwrite(fd, struct.pack("<I", crc.value), where)
+
+    atomic_write_with(path, fill, full_hint=f"free disk space in {path.parent}: the file takes about the tables' "
+                                            f"bytes and the dense model's")
+    return size[0]
 
 
 class _Crc32:
@@ -155,12 +134,12 @@ def _pieces(t):
         yield t.snapshot(lo, min(lo + step, t.num_embeddings))
 
 
-def _records(fd: int, path: Path, state: dict) -> list[tuple[int, list[int]]]:
+def _records(fd: int, state: dict) -> list[tuple[int, list[int]]]:
     """Per value of ``state``, in order: where its bytes go in the archive ``torch.save`` just
     wrote (a record ``data/<key>``, keys numbered in the order the pickle met the storages:
     the state's order, one storage each), and where its crc32 goes (the data descriptor after
     the bytes, and the central directory entry)."""
-    with zipfile.ZipFile(path) as zf:
+    with os.fdopen(os.dup(fd), "rb") as f, zipfile.ZipFile(f) as zf:  # (the file being written)
         infos = {i.filename.split("/", 1)[1]: i for i in zf.infolist()}
         start = zf.start_dir
     central = _central_entries(fd, start, len(infos))

@@ -55,6 +55,7 @@ __all__ = [
     "SparseOptimizer",
     "state_table_name",
     "to_torchrec_state_dict",
+    "torchrec_table_key",
     "torchrec_dlrm",
 ]
 
@@ -415,7 +416,7 @@ class PoolDLRM(nn.Module):
         dense = {k: v for k, v in state.items() if not k.startswith("sparse_arch.")}
         weights = []
         for t in self.tables:  # check every table before changing anything
-            key = f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"
+            key = torchrec_table_key(t.name)
             if key not in state:
                 raise ValueError(f"TorchRec state_dict has no {key!r}")
             w = state[key]
@@ -431,8 +432,13 @@ class PoolDLRM(nn.Module):
 def to_torchrec_state_dict(model: PoolDLRM) -> dict[str, torch.Tensor]:
     out = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     for t in model.tables:
-        out[f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"] = t.view().clone()
+        out[torchrec_table_key(t.name)] = t.view().clone()
     return out
+
+
+def torchrec_table_key(name: str) -> str:
+    """The state_dict key of table ``name``'s weights in TorchRec's ``DLRM`` (:func:`torchrec_dlrm`)."""
+    return f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"
 
 
 def torchrec_dlrm(cfg: ModelConfig, device: str = "cpu"):

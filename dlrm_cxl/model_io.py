@@ -13,7 +13,7 @@ from checkpointing.job import is_job
 from memory_pool import MemoryPool, read_header
 
 from .errors import InvalidConfigError, NeedsRecoveryError, PoolFormatError
-from .model import PRESETS, ModelConfig, PoolDLRM
+from .model import PRESETS, ModelConfig, PoolDLRM, torchrec_table_key
 from .pool_status import needs_recovery
 from .provisioning import recovery_reason
 
@@ -88,7 +88,7 @@ def load_torchrec_state(path: Path, cfg: ModelConfig) -> dict:
                                  f"dict of tensors)", hint=hint)
 
     def shapes(c):
-        return {f"sparse_arch.embedding_bag_collection.embedding_bags.{f}.weight": (n, c.embedding_dim)
+        return {torchrec_table_key(f): (n, c.embedding_dim)
                 for f, n in zip(c.feature_names, c.num_embeddings)}
 
     have = {k: tuple(v.shape) for k, v in state.items() if k.startswith("sparse_arch.")}

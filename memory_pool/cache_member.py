@@ -66,15 +66,21 @@ class CacheMember:
         their slots' values, each row's newest (a slot got it at its admission, from the
         journal or a run where the home is older; ``Table.snapshot``). Returns which rows
         those were (a bool mask over ``ids``): the others are the caller's to read."""
-        a = self.arena
-        g = a.groups[self.group]
-        with a.lock:
-            slot = g.row_slot.index_select(0, ids).to(torch.int64)
-            hit = slot >= 0
-            at = hit.nonzero().squeeze(1)
-            if at.numel():
-                out.index_copy_(0, at, g.slots[self.member].index_select(0, slot.index_select(0, at)))
+        with self.arena.lock:
+            slot, hit = self._slots(ids)
+            self._cached_into(slot, hit, out)
         return hit
+
+    def _slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(The arena's lock held.) Each row's slot (int64, -1: not cached) and whether it has one."""
+        slot = self.arena.groups[self.group].row_slot.index_select(0, ids).to(torch.int64)
+        return slot, slot >= 0
+
+    def _cached_into(self, slot: torch.Tensor, hit: torch.Tensor, out: torch.Tensor) -> None:
+        """(The arena's lock held.) The rows with a slot (``hit``) copied from it into ``out``."""
+        at = hit.nonzero().squeeze(1)
+        if at.numel():
+            out.index_copy_(0, at, self.arena.groups[self.group].slots[self.member].index_select(0, slot.index_select(0, at)))
 
     def _read(self, ids: torch.Tensor, ready) -> tuple[torch.Tensor, int, int]:
         """The cached rows of ``ids`` from their slots, the others from the home, ``ready(those
@@ -82,8 +88,7 @@ class CacheMember:
         a = self.arena
         g = a.groups[self.group]
         with a.lock:  # (never beside an admission or eviction)
-            slot = g.row_slot.index_select(0, ids).to(torch.int64)
-            hit = slot >= 0
+            slot, hit = self._slots(ids)
             s, h = g.slots[self.member], g.homes[self.member]
             rb = s.shape[1] * 4
             if bool(hit.all()):
@@ -97,8 +102,7 @@ class CacheMember:
                 ready(ids[miss])
             out = torch.empty(ids.numel(), s.shape[1], dtype=s.dtype)
             out[miss] = h.index_select(0, ids[miss])
-            if bool(hit.any()):
-                out[hit] = s.index_select(0, slot[hit])
+            self._cached_into(slot, hit, out)
             return out, (ids.numel() - miss.numel()) * rb, miss.numel() * rb
 
     def flush(self) -> None:

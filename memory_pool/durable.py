@@ -17,21 +17,23 @@ import json
 import os
 import zlib
 from pathlib import Path
+from typing import Callable
 
 from . import fileio
 from .errors import PoolCorruptError, PoolFullError, PoolIOError
 
-__all__ = ["atomic_write", "fsync_dir", "pwrite_all", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "parse_json_object",
+__all__ = ["atomic_write", "atomic_write_with", "fsync_dir", "pwrite_all", "raise_if_full", "json_crc", "json_with_crc", "json_crc_ok", "parse_json_object",
            "FULL_ERRNOS"]
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # "the disk is full", in its forms
 
 
-def raise_if_full(exc: OSError, what: str) -> None:
-    """Turn disk-full style OSErrors into :class:`PoolFullError` and device errors (EIO) into
+def raise_if_full(exc: OSError, what: str, *, hint: str | None = None) -> None:
+    """Turn disk-full style OSErrors into :class:`PoolFullError` (``hint``: what to do, where
+    its default -- raise the pool's capacity -- does not apply) and device errors (EIO) into
     :class:`PoolIOError`; re-raise anything else."""
     if exc.errno in FULL_ERRNOS:
-        raise PoolFullError(f"{what}: {os.strerror(exc.errno)}") from exc
+        raise PoolFullError(f"{what}: {os.strerror(exc.errno)}", hint=hint) from exc
     if exc.errno == errno.EIO:
         raise PoolIOError(f"{what}: {os.strerror(exc.errno)}") from exc
     raise exc
@@ -44,12 +46,21 @@ fsync_dir = fileio.fsync_dir
 
 def atomic_write(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file."""
+    atomic_write_with(path, lambda fd: fileio.pwrite(fd, data, 0), durable=durable)
+
+
+def atomic_write_with(path: str | os.PathLike, fill: Callable[[int], None], *, durable: bool = True,
+                      full_hint: str | None = None) -> None:
+    """Replace ``path`` with what ``fill(fd)`` writes into a new file (``fd`` open for reading
+    and writing, through :mod:`fileio`), so that a crash leaves either the old or the new file.
+    Whatever stops it (an error, an interrupt) removes the new file and leaves the old one; a
+    full disk is :class:`PoolFullError` (``full_hint``: see :func:`raise_if_full`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = fileio.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            fileio.pwrite(fd, data, 0)
+            fill(fd)
             if durable:
                 fileio.fsync(fd)  # contents durable before the name points at them
         finally:
@@ -57,12 +68,14 @@ def atomic_write(path: str | os.PathLike, data: bytes, *, durable: bool = True) 
         fileio.rename(tmp, path)
         if durable:
             fsync_dir(path.parent)  # the rename itself is durable only once the directory is
-    except OSError as exc:
+    except BaseException as exc:
         try:
-            fileio.unlink(tmp)
+            fileio.unlink(tmp, missing_ok=True)
         except OSError:
             pass
-        raise_if_full(exc, f"writing {path}")
+        if isinstance(exc, OSError):
+            raise_if_full(exc, f"writing {path}", hint=full_hint)
+        raise
 
 
 def json_crc(body: dict) -> int:

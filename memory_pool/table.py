@@ -201,10 +201,11 @@ class Table:
         return self._region.tensor
 
     def snapshot(self, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``lo..hi-1``'s values, a copy, read without changing the pool: the home's, then
-        a pending replay's or the row overlay's newer value (:meth:`pending_values`), then a
-        write-back DRAM cache's newer one (rows still at their initial value are made from it,
-        not read: ``FreshRows.initial``). What :meth:`view` shows, without what it does first
+        """Rows ``lo..hi-1``'s values, a copy, read without changing the pool: a write-back DRAM
+        cache's rows from their slots (each its row's newest value); of the others, those still
+        at their initial value made from the initializer (``FreshRows.initial``), the rest read
+        from the home and then a pending replay's or the row overlay's newer value taken
+        (:meth:`pending_values`). What :meth:`view` shows, without what it does first
         -- every pending row applied into the working copy, the cache flushed, the table's
         fresh rows forgotten -- so a digest of a table beyond DRAM reads each row once and
         writes none (`kaggle` behind a 2.2 GB cache: the view took the runs' rows into the

@@ -372,6 +372,29 @@ def test_an_export_that_runs_out_of_disk_is_exit_6_and_leaves_the_last_export_an
     assert os.listdir(out.parent) == ["dlrm.pt"] and out.stat().st_size > 64 << 10
 
 
+def test_an_export_survives_a_power_loss_right_after_it_returns(trained, tmp_path):
+    """When ``export`` has returned, its file and its name are durable: the emulated power loss
+    (memory_pool/fileio.py: every write, creation and rename not yet synced taken back) right
+    after it leaves the new file whole -- not the previous export, not an empty or torn one.
+    Fails without the file's fsync (its bytes go) and without the directory's (the rename goes)."""
+    from memory_pool import fileio
+
+    out = tmp_path / "out" / "dlrm.pt"
+    out.parent.mkdir()
+    out.write_bytes(b"the last export\n")  # (before the watch: on the disk already)
+    fileio.watch(out.parent)
+    try:
+        assert run_main("export", "--pool", trained[0], "--out", out)[0] == 0
+    finally:
+        fileio.unwatch(out.parent)
+    written = out.read_bytes()
+    assert written != b"the last export\n"
+    fileio.power_on(out.parent)
+    assert out.read_bytes() == written and os.listdir(out.parent) == ["dlrm.pt"]
+    assert set(torch.load(out, weights_only=True)) >= {f"sparse_arch.embedding_bag_collection.embedding_bags.cat_{i}.weight"
+                                                       for i in range(26)}
+
+
 def test_an_export_stopped_midway_leaves_the_last_export_and_nothing_else(trained, tmp_path, monkeypatch):
     """An export interrupted while it streams the tables (here: a KeyboardInterrupt from the
     third piece read) removes its temporary file; the previous export stays as it was."""
