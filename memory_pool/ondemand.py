@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from .arena import Arena
-from .persistence import newest_mask
+from .newest import newest_mask
 from .records import copy_rows
 from .tiers import Region
 

@@ -38,6 +38,7 @@ from .durable import json_crc_ok, json_with_crc, raise_if_full
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
 from .overlay import DENSE_FRACTION
+from .newest import newest_mask, newest_rows
 from .records import copy_rows
 from .tiers import shm_root
 from .threads import one_intra_op_thread
@@ -110,23 +111,6 @@ def replay_plan(journal: Journal, tables: set[str], where: Path, since_seq: int 
     return plan, window
 
 
-def newest_mask(ids: torch.Tensor, rows: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """True at the last occurrence of every id of ``ids`` (ids in ``[0, rows)``). ``scratch``:
-    a reusable int32 buffer of at least ``rows`` elements (its contents do not matter)."""
-    # One scatter of positions with max, no sort: each row keeps the highest position it appears
-    # at (deterministic, unlike a plain scatter of duplicates); rows not in ``ids`` are never
-    # read -- which is also why a scratch buffer left dirty by another table will do (it spares
-    # the page faults of a fresh table-sized buffer: half of the time on `kaggle`'s 52 tables).
-    # 3-4x faster than the stable sort of the ids it replaces (2.2-2.9 ms vs 7.6-11 ms for 330k
-    # ids here).
-    dtype = torch.int32 if ids.numel() < 2**31 else torch.int64
-    pos = torch.arange(ids.numel(), dtype=dtype)
-    use = scratch is not None and scratch.dtype == dtype and scratch.numel() >= rows
-    last = scratch[:rows] if use else torch.empty(rows, dtype=dtype)
-    last.scatter_reduce_(0, ids, pos, "amax", include_self=False)
-    return last[ids] == pos
-
-
 def latest(parts: list, rows: int, window: Arena | None = None,
            scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The newest value of every row of (ids, raw) parts in journal order (ids in ``[0,
@@ -188,7 +172,7 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
 
 def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
                 dense: float = DENSE_FRACTION, resets: dict[str, int] | None = None,
-                superseded: list | None = None) -> set[str]:
+                superseded: list | None = None, reading=None) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
     sorted and coalesced (compaction); or (``coalesce=False``: a few segments at a time, as they
     are sealed) record after record in journal order, the newest landing last -- no sort, and
@@ -201,11 +185,31 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     table were written into its image with their newest value as of sequence number ``seq``:
     a record below ``seq`` no longer writes them (it would put an older value back). With an
     ``overlay``, the rows left out go to :meth:`Overlay.absorb` too (``superseded``): one whose
-    every record here was left out is home already."""
+    every record here was left out is home already. ``reading``: a context manager the first of
+    :func:`~memory_pool.newest.newest_rows`' passes runs in (with an ``overlay``)."""
     parts: dict[str, list] = {}
     older = Superseded(superseded) if superseded else None
     gone: dict[str, list] = {}
     refs = [r for r in refs if r.type == RecordType.ROWS]
+    if overlay is not None and refs and not journal.mapped:
+        # (read with pread, not through a mapping of the segments: memory_pool/newest.py)
+        def select(ref, name, ids):
+            if resets and ref.seq < resets.get(name, -1):
+                return None  # (older than a bulk load of the table: writing them back would undo it)
+            drop = older.rows(ref.seq, name, ids) if older is not None else None
+            if drop is None:
+                return True
+            gone.setdefault(name, []).append(ids[drop])
+            return ~drop
+        newest = newest_rows(journal, refs, {name: t.region.rows for name, t in tables.items()}, select,
+                             reading=reading)
+        for name, (ids, raw) in newest.items():
+            region = tables[name].region
+            asked = region.pages_prefetched
+            overlay.absorb(name, ids, raw, dense=dense,
+                           superseded=torch.unique(torch.cat(gone[name])) if name in gone else None)
+            stats.pages_prefetched += region.pages_prefetched - asked
+        return set(newest)
     # (the segments side by side in one window, for latest's one gather a table; it goes, and
     # the segments' mappings with it, when this returns: no view of it is kept)
     window = Arena(window_bytes(refs)) if coalesce and refs else None

@@ -42,7 +42,8 @@ from crc32c import crc32c as _crc32c
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-__all__ = ["ROW_SET", "LOGGED_MARK", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_rows",
+__all__ = ["ROW_SET", "LOGGED_MARK", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_row_set_ids",
+           "row_set_ids_end", "decode_rows",
            "undo_group_of", "encode_logged_mark", "decode_logged_mark", "crc32c", "crc32c_extend", "part_bytes",
            "materialize", "row_words", "copy_rows"]
 
@@ -181,28 +182,66 @@ def decode_row_set(payload) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     mv = memoryview(payload)
     if bytes(mv[:4]) != _MAGIC:
         return [_decode_legacy(mv)]
+    row_bytes, ids_at, total, entries = _row_set_tables(mv)
+    ids, data = _ids_and_rows(mv, ids_at, total, row_bytes)
+    out, at = [], 0
+    for name, count in entries:
+        out.append((name, ids[at:at + count], data[at:at + count]))
+        at += count
+    return out
+
+
+def decode_row_set_ids(payload) -> list[tuple[str, torch.Tensor, int]]:
+    """``[(table name, ids int64 [n], row bytes)]`` of a ROWS/UNDO payload, or of its first
+    :func:`row_set_ids_end` bytes (views of ``payload``). Raises ``ValueError`` as
+    :func:`decode_row_set` does."""
+    mv = memoryview(payload)
+    if bytes(mv[:4]) != _MAGIC:
+        name, ids, raw = _decode_legacy(mv)
+        return [(name, ids, raw.shape[1])]
+    row_bytes, ids_at, total, entries = _row_set_tables(mv)
+    if len(mv) < ids_at + 8 * total:
+        raise ValueError(f"row record of {len(mv)} bytes does not hold the ids of {total} rows")
+    ids = torch.frombuffer(mv[ids_at:ids_at + 8 * total], dtype=torch.int64) if total else \
+        torch.empty(0, dtype=torch.int64)
+    out, at = [], 0
+    for name, count in entries:
+        out.append((name, ids[at:at + count], row_bytes))
+        at += count
+    return out
+
+
+def row_set_ids_end(head) -> int | None:
+    """Where a row record's ids end (bytes from its payload's start), read off ``head``, its
+    first bytes; None when they do not say (another format, or too short)."""
+    mv = memoryview(head)
+    if len(mv) < ROW_SET.size or bytes(mv[:4]) != _MAGIC:
+        return None
+    _, _, _, ids_at, total = ROW_SET.unpack_from(mv)
+    return ids_at + 8 * total
+
+
+def _row_set_tables(mv: memoryview) -> tuple[int, int, int, list[tuple[str, int]]]:
+    """(row bytes, ids offset, rows, [(table name, rows)]) of a row set's header."""
     if len(mv) < ROW_SET.size:
         raise ValueError(f"row record of {len(mv)} bytes is shorter than its header")
     _, ntables, row_bytes, ids_at, total = ROW_SET.unpack_from(mv)
     p = ROW_SET.size
-    entries = []
+    counts = []
     for _ in range(ntables):
         if p + _TABLE.size > len(mv):
             raise ValueError("row record is shorter than its table list")
-        entries.append(_TABLE.unpack_from(mv, p))
+        counts.append(_TABLE.unpack_from(mv, p))
         p += _TABLE.size
-    if sum(c for _, c in entries) != total:
-        raise ValueError(f"row record's tables hold {sum(c for _, c in entries)} rows, its header says {total}")
-    ids, data = _ids_and_rows(mv, ids_at, total, row_bytes)
-    out, at = [], 0
-    for nlen, count in entries:
+    if sum(c for _, c in counts) != total:
+        raise ValueError(f"row record's tables hold {sum(c for _, c in counts)} rows, its header says {total}")
+    entries = []
+    for nlen, count in counts:
         if p + nlen > ids_at:
             raise ValueError("row record's table names run past its ids")
-        name = bytes(mv[p:p + nlen]).decode()
+        entries.append((bytes(mv[p:p + nlen]).decode(), count))
         p += nlen
-        out.append((name, ids[at:at + count], data[at:at + count]))
-        at += count
-    return out
+    return row_bytes, ids_at, total, entries
 
 
 def undo_group_of(payload) -> int | None:

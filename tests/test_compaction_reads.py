@@ -1,0 +1,175 @@
+"""A compaction's reads of its journal (memory_pool/newest.py, ``JournalReader.read_payloads``):
+two passes of direct reads, the ids first, then every record whole and verified. They must find
+each row's newest value exactly as a reference that replays the records one after the other
+does, whatever the records' sizes against the span read at once; refuse a record damaged in its
+rows or in its ids before returning anything; and read through the page cache where a direct
+read is refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import flip
+from memory_pool import journal_reader
+from memory_pool.journal import Journal, JournalCorruptError, RecordType
+from memory_pool.newest import newest_rows
+from memory_pool.records import encode_row_set
+
+SIZES = {"a": 500, "b": 80}
+DIM = 16   # float32: 64-byte rows
+
+
+def write_records(d: Path, seed: int = 0, records: int = 12) -> tuple[Journal, list]:
+    """Records of rows of both tables, ids overlapping across records (some records hold many
+    rows: larger than a small read span), each committed; returns the journal and
+    ``[(ref, {table: (ids, rows)})]`` in journal order."""
+    g = torch.Generator().manual_seed(seed)
+    j = Journal(d, direct=True)
+    written = []
+    for tag in range(records):
+        tables = []
+        for name, rows in SIZES.items():
+            n = int(torch.randint(1, rows if tag % 4 else rows // 2, (1,), generator=g))
+            ids = torch.randperm(rows, generator=g)[:n]
+            tables.append((name, ids, torch.randn(n, DIM, generator=g)))
+        rows = torch.cat([t[2] for t in tables])
+        seq = j.next_seq
+        j.append(RecordType.ROWS, tag, encode_row_set([(n, i) for n, i, _ in tables], rows))
+        j.end(tag, {"step": tag})
+        ref = next(r for t in j.txns for r in t.records if r.seq == seq)
+        written.append((ref, {n: (i, v) for n, i, v in tables}))
+    return j, written
+
+
+def reference(written, select) -> dict:
+    """Each row's newest value, by replaying the records in order (a dict a row)."""
+    out: dict = {}
+    for ref, tables in written:
+        for name, (ids, vals) in tables.items():
+            keep = select(ref, name, ids)
+            if keep is None:
+                continue
+            rows = out.setdefault(name, {})
+            for k in range(ids.numel()):
+                if keep is True or bool(keep[k]):
+                    rows[int(ids[k])] = vals[k]
+    return out
+
+
+def check(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, rows in want.items():
+        ids, raw = got[name]
+        assert ids.tolist() == sorted(rows), name
+        assert torch.equal(raw.view(torch.float32), torch.stack([rows[i] for i in sorted(rows)])), name
+
+
+@pytest.mark.parametrize("span", [4096, journal_reader.DIRECT_SPAN], ids=["span-one-page", "span-default"])
+def test_a_compactions_reads_find_each_rows_newest_value_as_replaying_the_records_does(tmp_path, monkeypatch, span):
+    monkeypatch.setattr(journal_reader, "DIRECT_SPAN", span)
+    j, written = write_records(tmp_path / "journal")
+    refs = [ref for ref, _ in written]
+
+    def every(ref, name, ids):
+        return True
+
+    want = reference(written, every)
+    assert len({i for _, t in written for i in t["a"][0].tolist()}) < sum(t["a"][0].numel() for _, t in written), \
+        "the records overlap (else there is no newest value to pick)"
+    check(newest_rows(j, refs, SIZES, every), want)
+
+    # Rows a record no longer counts for (a refresh or a load since): a mask, or the table skipped.
+    def some(ref, name, ids):
+        if name == "b" and ref.tag % 3 == 0:
+            return None
+        return (ids % 5) != (ref.tag % 5)
+
+    check(newest_rows(j, refs, SIZES, some), reference(written, some))
+
+
+@pytest.mark.parametrize("where", ["rows", "ids"])
+def test_a_record_damaged_in_its_rows_or_its_ids_is_refused_before_anything_is_returned(tmp_path, where):
+    j, written = write_records(tmp_path / "journal")
+    refs = [ref for ref, _ in written]
+    ref, tables = written[5]
+    ids_bytes = 8 * sum(t[0].numel() for t in tables.values())
+    payload_end = ref.payload_offset + ref.length
+    rows_at = payload_end - sum(t[1].numel() * 4 for t in tables.values())
+    # (a flip in the ids' high bytes: an id far outside the table; in a row: its checksum fails)
+    flip(ref.segment, rows_at - ids_bytes + 7 if where == "ids" else rows_at + 3)
+    with pytest.raises(JournalCorruptError):
+        newest_rows(j, refs, SIZES, lambda *a: True)
+
+
+def test_a_record_whose_id_was_changed_within_its_table_is_refused_by_its_checksum(tmp_path):
+    j, written = write_records(tmp_path / "journal")
+    refs = [ref for ref, _ in written]
+    ref, tables = written[3]
+    rows_at = ref.payload_offset + ref.length - sum(t[1].numel() * 4 for t in tables.values())
+    ids_at = rows_at - 8 * sum(t[0].numel() for t in tables.values())
+    flip(ref.segment, ids_at, mask=0x01)   # (id 2k <-> 2k+1: still a row of the table)
+    with pytest.raises(JournalCorruptError, match="checksum"):
+        newest_rows(j, refs, SIZES, lambda *a: True)
+
+
+def test_a_direct_read_the_device_refuses_is_done_again_through_the_page_cache(tmp_path):
+    path = tmp_path / "f"
+    data = os.urandom(3 * 4096)
+    path.write_bytes(data)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("the temporary directory's file system does not take O_DIRECT")
+    try:
+        buf = bytearray(2 * 4096 + 1)
+        span = memoryview(buf)[1:]   # (not aligned: a direct read of it is refused with EINVAL)
+        got, direct = journal_reader._read_span(fd, True, span, 4096)
+        assert (got, direct) == (2 * 4096, False)
+        assert bytes(span) == data[4096:]
+        span.release()
+    finally:
+        os.close(fd)
+
+
+def test_ids_that_read_differently_the_second_time_are_refused(tmp_path, monkeypatch):
+    """The first pass takes the ids unverified; the second checks them against the verified
+    record. A first read that differed (the bytes changed between the two) must stop the
+    compaction, not place rows by the wrong ids."""
+    j, written = write_records(tmp_path / "journal")
+    refs = [ref for ref, _ in written]
+    heads = Journal._read_heads
+
+    def first_read_differs(self, rs):
+        for ref, view in heads(self, rs):
+            if ref.seq != refs[4].seq:
+                yield ref, view
+                continue
+            b = bytearray(view)
+            ids_at = int.from_bytes(b[12:16], "little")
+            b[ids_at] ^= 0x01   # (an id of the record's first table, still inside the table)
+            yield ref, memoryview(b)
+
+    monkeypatch.setattr(Journal, "_read_heads", first_read_differs)
+    with pytest.raises(JournalCorruptError, match="changed between two reads"):
+        newest_rows(j, refs, SIZES, lambda *a: True)
+
+
+@pytest.mark.parametrize("defect", ["unknown table", "another row size"])
+def test_a_record_of_an_unknown_table_or_of_another_row_size_is_refused(tmp_path, defect):
+    j, written = write_records(tmp_path / "journal", records=3)
+    if defect == "unknown table":
+        sizes = {"a": SIZES["a"]}
+        match = "unknown table 'b'"
+    else:
+        sizes = SIZES
+        seq = j.next_seq
+        j.append(RecordType.ROWS, 9, encode_row_set([("a", torch.arange(4))], torch.zeros(4, DIM // 2)))
+        j.end(9, {"step": 9})
+        written.append((next(r for t in j.txns for r in t.records if r.seq == seq), None))
+        match = "of 32 bytes, an earlier one of 64"
+    with pytest.raises(JournalCorruptError, match=match):
+        newest_rows(j, [ref for ref, _ in written], sizes, lambda *a: True)
