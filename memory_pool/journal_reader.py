@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -297,52 +298,38 @@ class JournalReader:
         if ids_only:
             yield from self._read_heads(refs)
             return
-        buf, cap = None, 0
-        i = 0
-        while i < len(refs):
-            path = refs[i].segment
-            j = i + 1
-            while j < len(refs) and refs[j].segment == path:
-                j += 1
-            group, i = refs[i:j], j
-            fd, direct = _open_for_reading(path, group[0])
+        spans = _direct_spans(refs)
+        bufs: list = [None, None]   # (two: the next span is read while this one's records go out)
+
+        def read(n: int) -> tuple[mmap.mmap, int]:   # (on the reader thread)
+            path, a, b, rs = spans[n]
+            buf = bufs[n % 2]
+            if buf is None or len(buf) < b - a:  # (an old one goes with the last view a caller keeps)
+                buf = bufs[n % 2] = mmap.mmap(-1, max(b - a, DIRECT_SPAN))  # (page-aligned: O_DIRECT's)
+            fd, direct = _open_for_reading(path, rs[0])
             try:
-                k = 0
-                while k < len(group):
-                    # (a span of the records that follow each other, up to DIRECT_SPAN bytes)
-                    lo = group[k].payload_offset
-                    hi = lo + group[k].length
-                    m = k + 1
-                    while (m < len(group) and group[m].payload_offset >= hi
-                           and group[m].payload_offset + group[m].length - lo <= DIRECT_SPAN):
-                        hi = group[m].payload_offset + group[m].length
-                        m += 1
-                    a = lo - lo % PAGE_BYTES
-                    b = page_round(hi)
-                    if cap < b - a:  # (the old one goes with the last view of it a caller keeps)
-                        buf, cap = mmap.mmap(-1, b - a), b - a  # (page-aligned: O_DIRECT's buffer)
-                    span = memoryview(buf)[:b - a]
-                    try:
-                        got, direct = _read_span(fd, direct, span, a)
-                        for ref in group[k:m]:
-                            s = ref.payload_offset - a
-                            if s + ref.length > got:
-                                raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
-                            view = span[s:s + ref.length]
-                            try:
-                                if crc32c_extend(0, view) != ref.crc:
-                                    raise JournalCorruptError(
-                                        f"journal record {ref.seq} ({RecordType(ref.type).name}) in "
-                                        f"{ref.segment.name} fails its checksum (bit flip or foreign write)")
-                                yield ref, view
-                            finally:
-                                view.release()
-                    finally:
-                        span.release()
-                    k = m
+                with memoryview(buf)[:b - a] as span:
+                    return buf, _read_span(fd, direct, span, a)[0]
             finally:
                 os.close(fd)
-        _close(buf)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="journal-read") as reader:
+            ahead = reader.submit(read, 0) if spans else None
+            for n, (_, a, _, rs) in enumerate(spans):
+                buf, got = ahead.result()
+                ahead = reader.submit(read, n + 1) if n + 1 < len(spans) else None
+                for ref in rs:
+                    at = ref.payload_offset - a
+                    if at + ref.length > got:
+                        raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} is truncated")
+                    with memoryview(buf)[at:at + ref.length] as view:
+                        if crc32c_extend(0, view) != ref.crc:
+                            raise JournalCorruptError(
+                                f"journal record {ref.seq} ({RecordType(ref.type).name}) in "
+                                f"{ref.segment.name} fails its checksum (bit flip or foreign write)")
+                        yield ref, view
+        for buf in bufs:
+            _close(buf)
 
     def _read_heads(self, refs: Sequence[RecordRef]):
         """(read_payloads' ``ids_only``.) A record's first :data:`HEAD_READ` bytes, then the rest
@@ -575,3 +562,21 @@ def _close(buf: mmap.mmap | None) -> None:
             buf.close()
         except BufferError:
             pass
+
+
+def _direct_spans(refs: Sequence[RecordRef]) -> list[tuple[Path, int, int, list[RecordRef]]]:
+    """``(segment, start, end, its records)``: ``refs`` cut into page-aligned spans of records
+    that follow each other in one segment, at most :data:`DIRECT_SPAN` bytes each (a record
+    larger than that alone)."""
+    spans: list = []
+    for ref in refs:
+        lo, hi = ref.payload_offset, ref.payload_offset + ref.length
+        if spans:
+            path, a, b, rs = spans[-1]
+            last = rs[-1].payload_offset + rs[-1].length
+            if path == ref.segment and lo >= last and hi - a <= DIRECT_SPAN:
+                spans[-1] = (path, a, page_round(hi), rs)
+                rs.append(ref)
+                continue
+        spans.append((ref.segment, lo - lo % PAGE_BYTES, page_round(hi), [ref]))
+    return spans

@@ -87,6 +87,40 @@ def test_a_compaction_reading_its_journal_in_leaves_the_steps_every_thread_and_r
             assert n > cached_before
 
 
+def test_a_compaction_behind_a_cache_reads_its_records_ids_as_reading_and_leaves_no_journal_page_cached(
+        tmp_path, monkeypatch):
+    # Behind a DRAM cache a compaction reads its records direct (memory_pool/newest.py): its first
+    # pass, the ids, only waits for the device, so the pool says compacting, not computing
+    # (CoreYield keeps both threads); and none of the journal's pages is left in the page cache,
+    # which the DRAM budget counts (the pre-read through the page cache left a GiB there on `kaggle`).
+    from memory_pool import newest
+    from memory_pool.residency import page_cache_bytes
+    from test_dram_cache import BUDGET
+    seen, real, t = [], newest._first_pass, None
+
+    def first_pass(journal, refs, *args):
+        flags = (t.pool.compacting, t.pool.compactor_computing)
+        real(journal, refs, *args)
+        seen.append((flags, page_cache_bytes(sorted({r.segment for r in refs}))))
+
+    monkeypatch.setattr(newest, "_first_pass", first_pass)
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", str(64 / 1024))
+    monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", str(32 / 1024))
+    before = torch.get_num_threads()
+    t = Trainer(TrainOptions(pool=str(tmp_path / "p"), steps=30, threads=2, progress=False, tier="pmem", window=2,
+                             dram_cache_bytes=BUDGET), TINY, log=lambda s: None)
+    try:
+        t.run()
+    finally:
+        t.close()
+        torch.set_num_threads(before)
+    assert seen, "no compaction read its records through memory_pool/newest.py"
+    for flags, cached in seen:
+        assert flags == (True, False)
+        if file_system(tmp_path) != "tmpfs":   # (in memory anyway there)
+            assert cached == 0
+
+
 def test_a_model_whose_result_depends_on_the_thread_count_keeps_every_thread(monkeypatch):
     class Model:
         dense_arch = _CountsThreads()
