@@ -45,8 +45,9 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     # Pass 1: the ids. parts[table]: [(record index, section index, kept positions or None, ids)]
     parts: dict[str, list] = {}
     row_bytes: dict[str, int] = {}
+    heads: list[torch.Tensor] = []
     with (reading or contextlib.nullcontext)():
-        _first_pass(journal, refs, sizes, select, parts, row_bytes)
+        _first_pass(journal, refs, sizes, select, parts, row_bytes, heads)
 
     # Where each newest value comes from and goes (latest's arithmetic, per table).
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -54,6 +55,10 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     scratch = torch.empty(max(sizes[n] for n in parts), dtype=torch.int32) if parts else None
     for name, ps in parts.items():
         ids = torch.cat([p[3] for p in ps])
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sizes[name]):
+            bad = next(p[0] for p in ps if p[3].numel() and (int(p[3].min()) < 0 or int(p[3].max()) >= sizes[name]))
+            raise JournalCorruptError(f"journal record {refs[bad].seq} holds rows of {name!r} outside its "
+                                      f"{sizes[name]:,} rows")
         pos = newest_mask(ids, sizes[name], scratch).nonzero().flatten()  # ascending: grouped by part
         kept, order = torch.sort(ids.index_select(0, pos))
         dst = torch.empty_like(order)
@@ -70,22 +75,16 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
                 copies.setdefault(k, []).append((i, name, local if sel is None else sel.index_select(0, local), dst[a:b]))
 
     # Pass 2: every record, whole and verified (a record is read though none of its values is
-    # the newest: its ids, which pass 1 took unverified, decided that); each value to its place.
-    checks: dict[int, list] = {}
-    for name, ps in parts.items():
-        for k, i, sel, ids in ps:
-            checks.setdefault(k, []).append((i, name, sel, ids))
+    # the newest: its ids, which pass 1 took unverified, decided that), its ids those pass 1
+    # read; each newest value to its place.
     for k, (ref, payload) in enumerate(journal.read_payloads(refs)):
         try:
             sections = decode_row_set(payload)
+            ids = decode_row_set_ids(payload)[0]
         except ValueError as exc:
             raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name}: {exc}") from None
-        for i, name, sel, ids1 in checks.get(k, ()):
-            ids = sections[i][1] if i < len(sections) and sections[i][0] == name else None
-            if ids is not None and sel is not None:
-                ids = ids.index_select(0, sel) if not sel.numel() or int(sel[-1]) < ids.numel() else None
-            if ids is None or not torch.equal(ids, ids1):
-                raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} changed between two reads")
+        if not torch.equal(ids, heads[k]):
+            raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} changed between two reads")
         for i, name, rows, places in copies.get(k, ()):
             copy_rows(out[name][1], places, sections[i][2].index_select(0, rows))
     return out
@@ -108,25 +107,26 @@ def newest_mask(ids: torch.Tensor, rows: int, scratch: torch.Tensor | None = Non
     return last[ids] == pos
 
 
-def _first_pass(journal, refs, sizes, select, parts: dict, row_bytes: dict) -> None:
-    """(newest_rows' pass 1: ``parts`` and ``row_bytes`` filled.)"""
+def _first_pass(journal, refs, sizes, select, parts: dict, row_bytes: dict, heads: list) -> None:
+    """(newest_rows' pass 1.) ``parts`` and ``row_bytes`` filled, ``heads[k]``: record ``k``'s
+    ids as read (one tensor, every table's), which pass 2 checks."""
     for k, (ref, head) in enumerate(journal.read_payloads(refs, ids_only=True)):
         try:
-            sections = decode_row_set_ids(head)
+            ids, entries, rb = decode_row_set_ids(head)
         except ValueError as exc:
             raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name}: {exc}") from None
-        for i, (name, ids, rb) in enumerate(sections):
+        ids = ids.clone()  # (the buffer is reused; one copy a record, its tables' parts views of it)
+        heads.append(ids)
+        at = 0
+        for i, (name, count) in enumerate(entries):
+            mine, at = ids[at:at + count], at + count
             if name not in sizes:
                 raise JournalCorruptError(f"journal record {ref.seq} holds rows of an unknown table {name!r}")
-            keep = select(ref, name, ids)
+            keep = select(ref, name, mine)
             if keep is None:
                 continue
-            sel = None if keep is True else keep.nonzero().flatten()
-            ids = ids.clone() if sel is None else ids.index_select(0, sel)  # (the buffer is reused)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sizes[name]):
-                raise JournalCorruptError(f"journal record {ref.seq} holds rows of {name!r} outside its "
-                                          f"{sizes[name]:,} rows")
             if row_bytes.setdefault(name, rb) != rb:
                 raise JournalCorruptError(f"journal record {ref.seq} holds rows of {name!r} of {rb} bytes, "
                                           f"an earlier one of {row_bytes[name]}")
-            parts.setdefault(name, []).append((k, i, sel, ids))
+            sel = None if keep is True else keep.nonzero().flatten()
+            parts.setdefault(name, []).append((k, i, sel, mine if sel is None else mine.index_select(0, sel)))

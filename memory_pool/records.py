@@ -191,24 +191,21 @@ def decode_row_set(payload) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     return out
 
 
-def decode_row_set_ids(payload) -> list[tuple[str, torch.Tensor, int]]:
-    """``[(table name, ids int64 [n], row bytes)]`` of a ROWS/UNDO payload, or of its first
-    :func:`row_set_ids_end` bytes (views of ``payload``). Raises ``ValueError`` as
+def decode_row_set_ids(payload) -> tuple[torch.Tensor, list[tuple[str, int]], int]:
+    """``(ids int64 [n], [(table name, rows)], row bytes)`` of a ROWS/UNDO payload, or of its
+    first :func:`row_set_ids_end` bytes: every table's ids in one tensor (a view of
+    ``payload``), the tables' in the order of the list. Raises ``ValueError`` as
     :func:`decode_row_set` does."""
     mv = memoryview(payload)
     if bytes(mv[:4]) != _MAGIC:
         name, ids, raw = _decode_legacy(mv)
-        return [(name, ids, raw.shape[1])]
+        return ids, [(name, ids.numel())], raw.shape[1]
     row_bytes, ids_at, total, entries = _row_set_tables(mv)
     if len(mv) < ids_at + 8 * total:
         raise ValueError(f"row record of {len(mv)} bytes does not hold the ids of {total} rows")
     ids = torch.frombuffer(mv[ids_at:ids_at + 8 * total], dtype=torch.int64) if total else \
         torch.empty(0, dtype=torch.int64)
-    out, at = [], 0
-    for name, count in entries:
-        out.append((name, ids[at:at + count], row_bytes))
-        at += count
-    return out
+    return ids, entries, row_bytes
 
 
 def row_set_ids_end(head) -> int | None:
