@@ -283,18 +283,18 @@ class JournalReader:
 
     def read_payloads(self, refs: Sequence[RecordRef], *, ids_only: bool = False):
         """Yield ``(ref, payload)`` for ``refs`` (in order), verified against their checksums,
-        without mapping the segments: read with ``O_DIRECT`` into one buffer reused from span to
-        span (a payload is valid until the next is yielded). Why: on this VM the CPU's first
-        touch of a page the disk just filled costs ~2 us (a GiB of journal: ~0.55 s of the
-        compactor's CPU, whether through a mapping or a copy out of the page cache), and a
-        direct read into memory already touched costs ~0.04 s a GiB (memory_pool/newest.py).
-        Consecutive records are read together, up to :data:`DIRECT_SPAN` bytes at a time. Where
-        the file system refuses direct reads, ``pread`` through the page cache.
+        without mapping the segments: read with ``O_DIRECT`` (a payload is valid until the next
+        is yielded). Why: on this VM the CPU's first touch of a page the disk just filled costs
+        ~2 us (a GiB of journal: ~0.55 s of the compactor's CPU, whether through a mapping or a
+        copy out of the page cache), and a direct read into memory already touched costs ~0.04 s
+        a GiB (memory_pool/newest.py). Consecutive records are read together, up to
+        :data:`DIRECT_SPAN` bytes at a time, into two buffers used in turn: the next span is read
+        on a thread of its own while this one's records go out. Where the file system refuses
+        direct reads, ``pread`` through the page cache.
 
         ``ids_only``: a row record's bytes up to the end of its ids
-        (:func:`~memory_pool.records.row_set_ids_end`; all of a record of another format), read
-        through the page cache and *not* verified: the caller verifies them when it reads the
-        record whole."""
+        (:func:`~memory_pool.records.row_set_ids_end`; all of a record of another format), *not*
+        verified: the caller verifies them when it reads the record whole."""
         if ids_only:
             yield from self._read_heads(refs)
             return

@@ -192,7 +192,7 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     gone: dict[str, list] = {}
     refs = [r for r in refs if r.type == RecordType.ROWS]
     if overlay is not None and refs and not journal.mapped:
-        # (read with pread, not through a mapping of the segments: memory_pool/newest.py)
+        # (read direct, in two passes, not through a mapping of the segments: memory_pool/newest.py)
         def select(ref, name, ids):
             if resets and ref.seq < resets.get(name, -1):
                 return None  # (older than a bulk load of the table: writing them back would undo it)
