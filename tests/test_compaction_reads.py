@@ -173,3 +173,26 @@ def test_a_record_of_an_unknown_table_or_of_another_row_size_is_refused(tmp_path
         match = "of 32 bytes, an earlier one of 64"
     with pytest.raises(JournalCorruptError, match=match):
         newest_rows(j, [ref for ref, _ in written], sizes, lambda *a: True)
+
+
+@pytest.mark.parametrize("cut", ["in its rows", "in its ids"])
+def test_a_record_cut_short_is_refused_as_truncated(tmp_path, cut):
+    """A segment that ends inside a record (a file cut by hand, or by a tool): the first pass
+    reads the ids, so a cut in the rows is found by the second, a cut in the ids by the first."""
+    j, written = write_records(tmp_path / "journal", records=4)
+    refs = [ref for ref, _ in written]
+    ref, tables = written[-1]
+    rows_at = ref.payload_offset + ref.length - sum(t[1].numel() * 4 for t in tables.values())
+    at = rows_at + 100 if cut == "in its rows" else rows_at - 8 * 3
+    with open(ref.segment, "r+b") as f:
+        f.truncate(at)
+    with pytest.raises(JournalCorruptError, match="truncated"):
+        newest_rows(j, refs, SIZES, lambda *a: True)
+
+
+def test_a_segment_gone_under_a_compaction_is_refused_naming_it(tmp_path):
+    j, written = write_records(tmp_path / "journal", records=3)
+    refs = [ref for ref, _ in written]
+    refs[0].segment.unlink()
+    with pytest.raises(JournalCorruptError, match=f"its segment {refs[0].segment.name} is gone"):
+        newest_rows(j, refs, SIZES, lambda *a: True)
