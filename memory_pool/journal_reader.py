@@ -28,7 +28,6 @@ from .segment_format import (BLOCK, MARK, MARK_MAGIC, MARK_REC, REC, REC_MAGIC, 
 
 __all__ = ["JournalReader", "window_bytes", "HEAD_READ", "DIRECT_SPAN"]
 
-_PT = [0.0, 0]
 DIRECT_SPAN = 16 << 20  # bytes of consecutive records read_payloads reads at once
 HEAD_READ = 16 << 10   # bytes first read of a row record for its header and ids (52 tables' list: ~2 KB)
 
@@ -525,11 +524,11 @@ def _map_into(window: Arena, segment: Path) -> memoryview:
     return memoryview(window.buffer(off, size)).cast("B")  # (a view of it keeps the window mapped)
 
 
-def _open_for_reading(path: Path, ref: RecordRef, *, direct: bool = True) -> tuple[int, bool]:
-    """``path`` opened read-only, with ``O_DIRECT`` where asked for and the file system takes it;
-    (descriptor, whether direct)."""
+def _open_for_reading(path: Path, ref: RecordRef) -> tuple[int, bool]:
+    """``path`` (where ``ref`` lies) opened read-only, with ``O_DIRECT`` where the file system
+    takes it; (descriptor, whether direct)."""
     try:
-        if direct and hasattr(os, "O_DIRECT"):
+        if hasattr(os, "O_DIRECT"):
             try:
                 return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as exc:
