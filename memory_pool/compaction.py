@@ -259,9 +259,9 @@ class Compaction:
 
     @contextlib.contextmanager
     def _reading(self):
-        """(A background compaction's) the block reads its journal's ids in: it counts as
-        :attr:`reading`, not computing (the first pass of memory_pool/newest.py, mostly device
-        waits: ~0.5 s for `kaggle`'s GiB, 0.2 s of CPU)."""
+        """(A background compaction's) the block reads its journal in -- the pre-read, or the
+        first pass of memory_pool/newest.py: mostly device waits (~0.5 s for `kaggle`'s GiB) --
+        so it counts as :attr:`reading`, not computing, timed in ``preread_seconds``."""
         t0, self.reading = time.perf_counter(), True
         try:
             yield
@@ -286,12 +286,8 @@ class Compaction:
             # The records' pages in first, before this counts as computing (Compaction.computing):
             # ~0.6 s of device reads for `kaggle`'s 1 GiB, during which the steps ran on one
             # intra-op thread fewer for nothing.
-            t0, self.reading = time.perf_counter(), True
-            try:
+            with self._reading():
                 self.stats.bytes_preread += self.journal.preread(pending)
-            finally:
-                self.reading = False
-            self.stats.preread_seconds += time.perf_counter() - t0
         if pending:
             written = absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
                                   overlay=overlay, dense=dense, resets=self.resets, superseded=self._refreshed,

@@ -35,7 +35,7 @@ import torch
 from .records import copy_rows, decode_row_set, decode_row_set_ids
 from .segment_format import JournalCorruptError, RecordRef
 
-__all__ = ["newest_rows", "newest_mask"]
+__all__ = ["newest_rows", "newest_mask", "newest_places"]
 
 
 def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
@@ -55,30 +55,21 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     with (reading or contextlib.nullcontext)():
         _first_pass(journal, refs, sizes, select, parts, row_bytes, heads)
 
-    # Where each newest value comes from and goes (latest's arithmetic, per table).
+    # Where each newest value comes from and goes, per table.
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     copies: dict[int, list] = {}   # record index -> [(section, table, rows of the section, places)]
     scratch = torch.empty(max(sizes[n] for n in parts), dtype=torch.int32) if parts else None
     for name, ps in parts.items():
-        ids = torch.cat([p[3] for p in ps])
+        ids = torch.cat([p[3] for p in ps])  # (journal order)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sizes[name]):
             bad = next(p[0] for p in ps if p[3].numel() and (int(p[3].min()) < 0 or int(p[3].max()) >= sizes[name]))
             raise JournalCorruptError(f"journal record {refs[bad].seq} holds rows of {name!r} outside its "
                                       f"{sizes[name]:,} rows")
-        pos = newest_mask(ids, sizes[name], scratch).nonzero().flatten()  # ascending: grouped by part
-        kept, order = torch.sort(ids.index_select(0, pos))
-        dst = torch.empty_like(order)
-        dst[order] = torch.arange(order.numel())
+        kept, places = newest_places(ids, [p[3].numel() for p in ps], sizes[name], scratch)
         out[name] = (kept, torch.empty(kept.numel(), row_bytes[name], dtype=torch.uint8))
-        bounds = [0]
-        for p in ps:
-            bounds.append(bounds[-1] + p[3].numel())
-        cuts = torch.searchsorted(pos, torch.tensor(bounds)).tolist()
-        for j, (k, i, sel, _) in enumerate(ps):
-            a, b = cuts[j], cuts[j + 1]
-            if a < b:
-                local = pos[a:b] - bounds[j]
-                copies.setdefault(k, []).append((i, name, local if sel is None else sel.index_select(0, local), dst[a:b]))
+        for j, local, dst in places:
+            k, i, sel, _ = ps[j]
+            copies.setdefault(k, []).append((i, name, local if sel is None else sel.index_select(0, local), dst))
 
     # Pass 2: every record, whole and verified (a record is read though none of its values is
     # the newest: its ids, which pass 1 took unverified, decided that), its ids those pass 1
@@ -111,6 +102,25 @@ def newest_mask(ids: torch.Tensor, rows: int, scratch: torch.Tensor | None = Non
     last = scratch[:rows] if use else torch.empty(rows, dtype=dtype)
     last.scatter_reduce_(0, ids, pos, "amax", include_self=False)
     return last[ids] == pos
+
+
+def newest_places(ids: torch.Tensor, counts: Sequence[int], rows: int, scratch: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """``ids``: the ids of parts of ``counts[j]`` ids each, concatenated in journal order (in
+    ``[0, rows)``). Returns (every id once, sorted; ``[(part j, positions in it, places)]``):
+    the newest value of the id at position ``positions[m]`` of part ``j`` goes to row
+    ``places[m]`` of the sorted result (parts holding no newest value left out). ``scratch``:
+    :func:`newest_mask`'s."""
+    pos = newest_mask(ids, rows, scratch).nonzero().flatten()  # ascending: grouped by part
+    kept, order = torch.sort(ids.index_select(0, pos))
+    dst = torch.empty_like(order)
+    dst[order] = torch.arange(order.numel())                   # where each kept position goes
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    cuts = torch.searchsorted(pos, torch.tensor(bounds)).tolist()
+    return kept, [(j, pos[cuts[j]:cuts[j + 1]] - bounds[j], dst[cuts[j]:cuts[j + 1]])
+                  for j in range(len(counts)) if cuts[j] < cuts[j + 1]]
 
 
 def _first_pass(journal, refs, sizes, select, parts: dict, row_bytes: dict, heads: list) -> None:

@@ -38,7 +38,7 @@ from .durable import json_crc_ok, json_with_crc, raise_if_full
 from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
 from .overlay import DENSE_FRACTION
-from .newest import newest_mask, newest_rows
+from .newest import newest_mask, newest_places, newest_rows
 from .records import copy_rows
 from .tiers import shm_root
 from .threads import one_intra_op_thread
@@ -124,24 +124,19 @@ def latest(parts: list, rows: int, window: Arena | None = None,
     if not parts:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, 0, dtype=torch.uint8)
     ids = torch.cat([p[0] for p in parts])
-    pos = newest_mask(ids, rows, scratch).nonzero().flatten()   # ascending positions: grouped by part
-    kept, order = torch.sort(ids[pos])
     rb = parts[0][1].shape[1]
     if window is not None and all(_in_window(raw, window) for _, raw in parts):
+        pos = newest_mask(ids, rows, scratch).nonzero().flatten()   # ascending positions: grouped by part
+        kept, order = torch.sort(ids[pos])
         bounds = torch.tensor([0] + [p[0].numel() for p in parts]).cumsum(0)
         base = torch.tensor([raw.data_ptr() - window.base for _, raw in parts], dtype=torch.int64)
         part = torch.searchsorted(bounds, pos, right=True) - 1
         src = base[part] + (pos - bounds[part]) * rb
         return kept, window.rows_at_every_offset(rb).index_select(0, src.index_select(0, order))
-    dst = torch.empty_like(order)
-    dst[order] = torch.arange(order.numel())           # where each kept position goes
-    out = torch.empty(pos.numel(), parts[0][1].shape[1], dtype=torch.uint8)
-    bounds = torch.tensor([0] + [p[0].numel() for p in parts]).cumsum(0)
-    cuts = torch.searchsorted(pos, bounds).tolist()
-    for k, (_, raw) in enumerate(parts):
-        a, b = cuts[k], cuts[k + 1]
-        if a < b:
-            copy_rows(out, dst[a:b], raw.index_select(0, pos[a:b] - int(bounds[k])))
+    kept, places = newest_places(ids, [p[0].numel() for p in parts], rows, scratch)
+    out = torch.empty(kept.numel(), rb, dtype=torch.uint8)
+    for k, local, dst in places:
+        copy_rows(out, dst, parts[k][1].index_select(0, local))
     return kept, out
 
 
