@@ -36,6 +36,7 @@ from typing import Callable
 
 from .journal import Journal, RecordType
 from .overlay import DEFAULT_BOUND, DENSE_FRACTION, RUNS_DIR, Overlay
+from .record_heads import RecordHeads
 from .persistence import AppliedMark, Compactor, absorb_rows, table_resets
 from .table import PoolStats, Table
 from .validation import env_mib
@@ -73,7 +74,7 @@ class Compaction:
         self._rows = rows
         self._apply_pending = apply_pending
         self._runs_format = runs_format
-        self.overlay: Overlay | None = None   # the row overlay's runs (the replay at open attaches it)
+        self._overlay: Overlay | None = None   # the row overlay's runs (the replay at open attaches it)
         # Held by a compaction or a write-back pass for as long as it runs (on the compactor's
         # thread, or inline), and by a bulk load (Table.load_, fill_) from before it forgets the
         # table's pending rows until its reset is committed: see images_held.
@@ -101,6 +102,26 @@ class Compaction:
         # Rows a refresh wrote into the images, newest as of a sequence number: [(seq, {table:
         # sorted rows})]. A write-back pass of older records skips them (see refresh()).
         self._refreshed: list[tuple[int, dict]] = []
+        if journaled and rows and self.overlay_bound:
+            self._keep_heads()
+
+    @property
+    def overlay(self) -> Overlay | None:
+        return self._overlay
+
+    @overlay.setter
+    def overlay(self, ov: Overlay | None) -> None:
+        self._overlay = ov
+        if ov is not None:
+            self._keep_heads()
+
+    def _keep_heads(self) -> None:
+        """A compaction through the row overlay reads each record's ids first (memory_pool/
+        newest.py): from now on the journal keeps them as it writes them instead (memory_pool/
+        record_heads.py). Called once the pool keeps or will keep an overlay."""
+        j = self.journal
+        if j.heads is None and not j.mapped and not j.read_only:
+            j.heads = RecordHeads()
 
     # -- the compactor's thread
     @property
@@ -330,6 +351,8 @@ class Compaction:
         for r in regions:
             r.read_randomly()
         self._bounded |= {n for n, t in self._tables.items() if any(t.region is r for r in regions)}
+        if self._journaled and self._rows and self.overlay_bound:
+            self._keep_heads()
 
     def trim(self, regions) -> bool:
         """Give back what this process holds of ``regions`` on a journaled tier: the working

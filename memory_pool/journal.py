@@ -13,9 +13,9 @@ The on-media format (the directory's files, segment and record headers, record t
 
 Recycling (after PostgreSQL's WAL): a reclaimed segment is renamed ``free-*`` and reused as a
 new one, its new header durable *before* its ``seg-`` rename (a crash between leaves an ignored
-``free-`` file). Appends then overwrite existing pages (a fresh page costs 4-8x here; no block
-for ``fdatasync`` to allocate). Past its valid records lie its previous life's, each numbered
-below the segment's first: the scan stops there, and the ``RECYCLED`` flag says stale, not torn.
+``free-`` file). Appends then overwrite existing pages (a fresh page costs 4-8x here). Past its
+valid records lie its previous life's, numbered below the segment's first: the scan stops there,
+and the ``RECYCLED`` flag says stale, not torn. (Row records' heads: memory_pool/record_heads.py.)
 
 Transactions. Records between two ``END`` records form a transaction; ``END`` carries a tag (the
 training step) and a small JSON document. :meth:`Journal.end` is the commit, after SQLite's
@@ -31,29 +31,26 @@ atomic-commit rule: the transaction's records are made durable *first* (``fdatas
 
 Mapped segments (``mapped=True``: a journal in RAM, on tmpfs, the shm tier). ``pwrite`` into
 tmpfs costs a kernel copy and a page-cache lookup per page (1.8 ms for 8 MB over a 64 MiB segment
-here, against 0.65 ms for a copy into a mapping already faulted in); a mapped journal copies
-records into a shared mapping of the segment instead. Its segments are sized up front and carry
-the ``RECYCLED`` flag: the bytes after the valid records are not the log's (zeros or a previous
-life), exactly as in a recycled segment. Pages are allocated (``posix_fallocate``: a full tmpfs
-is ``PoolFullError``, never a SIGBUS in the middle of a copy) and faulted in 8 MiB ahead of the
-appends, and a mapping is kept for the file's next lives. A process crash keeps every store made
-before it, in program order: the header is copied after the payload, so a crash mid-record
-leaves a torn or stale tail, as a short ``pwrite`` would.
+here, against 0.65 ms into a mapping already faulted in): records are copied into a shared mapping
+of the segment instead, sized up front and flagged ``RECYCLED`` (the bytes after the valid records
+are zeros or a previous life). Pages are allocated (``posix_fallocate``: a full tmpfs is
+``PoolFullError``, never a SIGBUS mid-copy) and faulted in 8 MiB ahead of the appends, and the
+mapping is kept for the file's next lives. A process crash keeps every store made before it, in
+program order: the header is copied after the payload, so a crash mid-record leaves a torn or
+stale tail, as a short ``pwrite`` would.
 
 Direct writes (``direct=True``: a journal on a disk, the emulated pmem and power-sim tiers). A
-buffered ``pwrite`` of 8 MB into the page cache costs ~4 ms of kernel CPU on this VM (a page
-dirtied, accounted and later written back, per 4 KiB), whether the pages are new or recycled;
-with ``O_DIRECT`` the same write costs ~1 ms and the device does the rest while the trainer
-computes. Records are built in a page-aligned buffer (payloads are copied, or filled in place:
+buffered ``pwrite`` of 8 MB costs ~4 ms of kernel CPU on this VM (a page dirtied, accounted and
+later written back, per 4 KiB); with ``O_DIRECT`` ~1 ms, the device doing the rest while the
+trainer computes. Records are built in a page-aligned buffer (payloads copied, or filled in place:
 :class:`Fill`, e.g. the dense state straight from the parameters) and written with one call per
-append, whole blocks (``BLOCK``) at a time: the last partial block is written again, unchanged
-in its first bytes, by the next append (a torn rewrite of identical bytes leaves them as they
-were), and the bytes after the records up to the block's end are zeros. So the segment carries
-the ``RECYCLED`` flag, and a segment written without direct writes (an older writer) is sealed,
-never padded: appends go to a new one. ``fdatasync`` still follows every group commit (the
-device's volatile cache, and the file's size). The journal's pages are then not in the page
-cache: replay and compaction read them from the disk (measured: cheap in CPU, read ahead in
-large blocks). A file system that refuses ``O_DIRECT`` is written through the page cache.
+append, whole blocks (``BLOCK``): the last partial block is written again, unchanged in its first
+bytes, by the next append (a torn rewrite of identical bytes leaves them as they were), and the
+bytes after the records up to the block's end are zeros. So the segment carries the ``RECYCLED``
+flag; one written without direct writes (an older writer) is sealed, never padded. ``fdatasync``
+still follows every group commit (the device's volatile cache, the file's size). Replay and
+compaction read the pages from the disk (cheap in CPU, read ahead in large blocks). A file system
+that refuses ``O_DIRECT`` is written through the page cache.
 
 Committed mark (``COMMITTED``: the sequence number and tag of an ``END`` that was durable, crc32c).
 A power loss cannot remove bytes that an ``fdatasync`` made durable; a journal that ends before a
@@ -79,15 +76,15 @@ newest commit by less than ``MARK_EVERY``). Rules, and why each is sound:
 * ignored below ``START``: a compaction dropped those records on purpose;
 * ignored when torn or damaged (its crc32c): a mark vouches for nothing then, and the scan
   checks what it always did;
-* format: a file that an older dlrm-cxl neither reads nor writes; appends of an older writer
-  only leave the mark behind, never ahead. The segments are unchanged, so no version bump.
+* format: a file an older dlrm-cxl neither reads nor writes (its appends leave the mark behind,
+  never ahead); the segments are unchanged, so no version bump.
 
 The other high-water marks are checked by the scan already: a sealed segment is followed by a
 segment whose first sequence number must follow its last record (a cut or deleted segment that
 is not the last is a gap: damage), and ``START`` names the first segment, which must exist.
 
 Thread safety: one writer thread appends and ends transactions; :meth:`Journal.reclaim` (the
-compactor) may run on another thread; both take the journal's lock around segment-list changes.
+compactor) may run on another; both take the journal's lock around segment-list changes.
 """
 
 from __future__ import annotations
@@ -111,6 +108,7 @@ from .records import (Fill, crc32c, crc32c_extend, decode_row_set, decode_rows, 
                       encode_rows, part_bytes)
 from .errors import NeedsRecoveryError, PoolReadOnlyError
 from .journal_reader import JournalReader, window_bytes
+from .record_heads import RecordHeads
 from .segment_format import (BLOCK, MARK, MARK_MAGIC, MARK_REC, REC, SEG, SEG_RECYCLED, JournalCorruptError,
                              RecordRef, RecordType, TxnInfo, seg_refs, rec_header, seg_header, seg_name,
                              Segment)
@@ -170,6 +168,7 @@ class Journal(JournalReader):
         self._marked_at = 0           # bytes_appended when the mark was last moved
         self.syncs = 0
         self.recycled = 0             # segments started by reusing a reclaimed one
+        self.heads: RecordHeads | None = None   # kept row records' heads (see the module), or not
         if not read_only:
             self.dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(5 if read_only else 1):
@@ -336,9 +335,10 @@ class Journal(JournalReader):
         self.recycled += 1
         return fd
 
-    def _write(self, off0: int, entries: list) -> list[int]:
+    def _write(self, off0: int, entries: list) -> tuple[list[int], list]:
         """Write records ``[(type, seq, tag, length, parts)]`` contiguously from byte ``off0`` of
-        the current segment, filling :class:`Fill` parts in place. Returns their payload crcs."""
+        the current segment, filling :class:`Fill` parts in place. Returns their payload crcs,
+        and the row records' heads to keep (:attr:`heads`)."""
         end = off0 + sum(REC.size + e[3] for e in entries)
         self._unsynced = True  # (first: a write that fails part-way counts too)
         if self.mapped:
@@ -355,7 +355,7 @@ class Journal(JournalReader):
             dest = self._stage(end - base)
             if self.direct:
                 dest[:off0 - base] = np.frombuffer(self._tail_block, dtype=np.uint8)
-        crcs, off = [], off0
+        crcs, off, noted = [], off0, []
         for rtype, seq, tag, length, parts in entries:
             # The payload first, the header last: a crash mid-record leaves no valid header
             # vouching for a partial payload (program order is what survives a process crash).
@@ -370,6 +370,8 @@ class Journal(JournalReader):
                     dest[at:at + v.size] = v
                     at += v.size
             pcrc = crc32c_extend(0, dest[start:at])  # (without the GIL: the trainer's thread runs)
+            if self.heads is not None and rtype == RecordType.ROWS:
+                noted.append(RecordHeads.note(seq, dest[start:at]))
             dest[off - base:off - base + REC.size] = np.frombuffer(rec_header(rtype, seq, tag, length, pcrc),
                                                                    dtype=np.uint8)
             crcs.append(pcrc)
@@ -393,7 +395,7 @@ class Journal(JournalReader):
                 pwrite_all(self._fd, memoryview(self._staging[0])[:n], base)
             if self.direct:
                 self._tail_block = bytes(dest[end - end % BLOCK - base:end - base])
-        return crcs
+        return crcs, [n for n in noted if n is not None]
 
     def _stage(self, size: int) -> np.ndarray:
         """The write buffer, at least ``size`` bytes rounded up to a block (page-aligned: an
@@ -477,13 +479,15 @@ class Journal(JournalReader):
         entries = [(int(rtype), self.next_seq + i, tag, sum(part_bytes(p) for p in parts), parts)
                    for i, (rtype, tag, parts) in enumerate(records)]
         try:
-            crcs = self._write(seg.size, entries)
+            crcs, noted = self._write(seg.size, entries)
         except OSError as exc:
             raise_if_full(exc, f"appending to journal {seg.path}")
         refs, off = [], seg.size
         for (rtype, seq, tag, length, _), pcrc in zip(entries, crcs):
             refs.append(RecordRef(seg.path, off, rtype, seq, tag, length, pcrc))
             off += REC.size + length
+        if noted:  # (written: kept now)
+            self.heads.add(noted, refs)
         self.next_seq += len(refs)
         self.bytes_appended += off - seg.size
         seg.size = off
@@ -565,6 +569,8 @@ class Journal(JournalReader):
                     fileio.unlink(s.path)
             self._segs = self._segs[len(done):]
             self.txns = [t for t in self.txns if t.end.seq >= new_start]
+            if self.heads is not None:
+                self.heads.drop_below(new_start)
         if self.sync:
             # Not for correctness (START, durable above, already says these segments are dead,
             # and a scan deletes files named below it) but for the disk: without it a power loss

@@ -37,6 +37,8 @@ class JournalReader:
     records back. Opened through :class:`~memory_pool.journal.Journal` (``read_only=True`` to
     only read)."""
 
+    heads = None   # (the journal's kept row records' heads, if any: memory_pool/record_heads.py)
+
     # -- scanning
     def _start_seq(self) -> int:
         try:
@@ -293,7 +295,8 @@ class JournalReader:
 
         ``ids_only``: a row record's bytes up to the end of its ids
         (:func:`~memory_pool.records.row_set_ids_end`; all of a record of another format), *not*
-        verified: the caller verifies them when it reads the record whole."""
+        verified: the caller verifies them when it reads the record whole. Those of the journal's
+        kept :attr:`heads` are not read at all."""
         if ids_only:
             yield from self._read_heads(refs)
             return
@@ -337,6 +340,11 @@ class JournalReader:
         fd, path, direct = None, None, False
         try:
             for ref in refs:
+                kept = self.heads.get(ref) if self.heads is not None else None
+                if kept is not None:
+                    with memoryview(kept) as view:
+                        yield ref, view
+                    continue
                 if ref.segment != path:
                     if fd is not None:
                         os.close(fd)

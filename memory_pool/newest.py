@@ -12,7 +12,8 @@ read into memory already touched costs ~0.04 s a GiB (``JournalReader.read_paylo
 Two passes over the records, in journal order:
 
 1. Each record's header and ids only (~3 % of its bytes, not yet verified; in ``reading``, the
-   compaction's device-wait phase): which of its rows count (``select``: a bulk load or a
+   compaction's device-wait phase; not read at all for the records whose heads the journal kept
+   as it wrote them, memory_pool/record_heads.py): which of its rows count (``select``: a bulk load or a
    refresh since may have made them stale), and, per table, which record holds the newest value
    of each row and where that value goes in the sorted result (:func:`newest_mask`, as
    ``latest`` does).
@@ -81,7 +82,8 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
         except ValueError as exc:
             raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name}: {exc}") from None
         if not torch.equal(ids, heads[k]):
-            raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} changed between two reads")
+            raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} changed between two reads "
+                                      f"(or was not written as it was kept in memory)")
         for i, name, rows, places in copies.get(k, ()):
             copy_rows(out[name][1], places, sections[i][2].index_select(0, rows))
     return out

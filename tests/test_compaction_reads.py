@@ -7,6 +7,7 @@ read is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from helpers import flip
 from memory_pool import journal_reader
 from memory_pool.journal import Journal, JournalCorruptError, RecordType
 from memory_pool.newest import newest_rows
+from memory_pool.record_heads import RecordHeads
 from memory_pool.records import encode_row_set
 
 SIZES = {"a": 500, "b": 80}
@@ -196,3 +198,53 @@ def test_a_segment_gone_under_a_compaction_is_refused_naming_it(tmp_path):
     refs[0].segment.unlink()
     with pytest.raises(JournalCorruptError, match=f"its segment {refs[0].segment.name} is gone"):
         newest_rows(j, refs, SIZES, lambda *a: True)
+
+
+def write_keeping_heads(d: Path, **kw) -> tuple[Journal, list]:
+    """write_records, the journal keeping its row records' heads as it writes them."""
+    real = Journal.__init__
+
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        self.heads = RecordHeads()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Journal, "__init__", init)
+        return write_records(d, **kw)
+
+
+def test_kept_heads_spare_the_first_pass_every_read_and_give_the_same_newest_values(tmp_path, monkeypatch):
+    j, written = write_keeping_heads(tmp_path / "journal")
+    refs = [ref for ref, _ in written]
+    assert len(j.heads) == len(refs) and j.heads.nbytes > 0
+    on_device = [bytes(v) for _, v in Journal(tmp_path / "journal", read_only=True).read_payloads(refs, ids_only=True)]
+    opened = []
+    real_open = journal_reader._open_for_reading
+    monkeypatch.setattr(journal_reader, "_open_for_reading", lambda *a: opened.append(a) or real_open(*a))
+    assert [bytes(v) for _, v in j.read_payloads(refs, ids_only=True)] == on_device
+    assert opened == [], "the first pass read kept heads from the device"
+    check(newest_rows(j, refs, SIZES, lambda *a: True), reference(written, lambda *a: True))
+    assert opened, "the second pass must still read every record from the device"
+
+
+def test_a_record_not_on_the_device_as_its_kept_head_says_is_refused(tmp_path):
+    """The second pass compares each record's ids on the device with the kept ones: a record
+    that was not written as kept must stop the compaction, not place rows by the wrong ids."""
+    j, written = write_keeping_heads(tmp_path / "journal")
+    refs = [ref for ref, _ in written]
+    ref = refs[4]
+    crc, length, head = j.heads._by_seq[ref.seq]
+    head[int.from_bytes(head[12:16].tobytes(), "little")] ^= 0x01   # (an id of its first table, still inside it)
+    with pytest.raises(JournalCorruptError, match="changed between two reads"):
+        newest_rows(j, refs, SIZES, lambda *a: True)
+
+
+def test_kept_heads_go_with_their_records_and_never_stand_for_another_record(tmp_path):
+    j, written = write_keeping_heads(tmp_path / "journal", records=6)
+    refs = [ref for ref, _ in written]
+    assert all(j.heads.get(r) is not None for r in refs)
+    other = dataclasses.replace(refs[2], crc=refs[2].crc ^ 1)   # (the same number, another record)
+    assert j.heads.get(other) is None
+    j.rotate()
+    assert j.reclaim(j.next_seq) > 0
+    assert len(j.heads) == 0 and j.heads.nbytes == 0

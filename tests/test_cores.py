@@ -87,12 +87,13 @@ def test_a_compaction_reading_its_journal_in_leaves_the_steps_every_thread_and_r
             assert n > cached_before
 
 
-def test_a_compaction_behind_a_cache_reads_its_records_ids_as_reading_and_leaves_no_journal_page_cached(
+def test_a_compaction_behind_a_cache_takes_its_records_ids_as_reading_from_memory_and_leaves_no_journal_page_cached(
         tmp_path, monkeypatch):
     # Behind a DRAM cache a compaction reads its records direct (memory_pool/newest.py): its first
-    # pass, the ids, only waits for the device, so the pool says compacting, not computing
-    # (CoreYield keeps both threads); and none of the journal's pages is left in the page cache,
-    # which the DRAM budget counts (the pre-read through the page cache left a GiB there on `kaggle`).
+    # pass, the ids, is not computing, so the pool says compacting, not computing (CoreYield keeps
+    # both threads); the journal kept those ids as it wrote the records, from the pool's first
+    # compaction on (memory_pool/record_heads.py); and none of the journal's pages is left in the
+    # page cache, which the DRAM budget counts (a pre-read left a GiB there on `kaggle`).
     from memory_pool import newest
     from memory_pool.residency import page_cache_bytes
     from test_dram_cache import BUDGET
@@ -100,8 +101,9 @@ def test_a_compaction_behind_a_cache_reads_its_records_ids_as_reading_and_leaves
 
     def first_pass(journal, refs, *args):
         flags = (t.pool.compacting, t.pool.compactor_computing)
+        kept = journal.heads is not None and all(journal.heads.get(r) is not None for r in refs)
         real(journal, refs, *args)
-        seen.append((flags, page_cache_bytes(sorted({r.segment for r in refs}))))
+        seen.append((flags, page_cache_bytes(sorted({r.segment for r in refs})), kept))
 
     monkeypatch.setattr(newest, "_first_pass", first_pass)
     monkeypatch.setenv("DLRM_CXL_COMPACT_MB", str(64 / 1024))
@@ -115,8 +117,9 @@ def test_a_compaction_behind_a_cache_reads_its_records_ids_as_reading_and_leaves
         t.close()
         torch.set_num_threads(before)
     assert seen, "no compaction read its records through memory_pool/newest.py"
-    for flags, cached in seen:
+    for flags, cached, kept in seen:
         assert flags == (True, False)
+        assert kept, "the journal did not keep the heads of the records it wrote (memory_pool/record_heads.py)"
         if file_system(tmp_path) != "tmpfs":   # (in memory anyway there)
             assert cached == 0
 

@@ -97,6 +97,38 @@ def test_an_on_demand_open_applies_a_run_row_when_it_is_first_read(tmp_pool_dir,
         assert torch.equal(a.read([sparse[1]]), torch.full((1, DIM), 3.0))
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["rows-copied", "rows-gathered"])
+def test_a_row_pending_from_the_run_being_written_reads_its_newest_value_from_the_compactions_plan(
+        tmp_pool_dir, runs_mb, monkeypatch, dense):
+    """A row of a compaction's records that is pending from an older run (a DRAM cache's trim
+    gave the working copy back: ``Overlay.repend``) is pending from the new run (``where`` =
+    -NEW) from the compaction's plan on: a read before the run is written takes its value from
+    the plan, whether the plan holds its rows copied or to be gathered as the run is written
+    (a page of the records went home: runfile.Gathered)."""
+    from memory_pool import overlay_compaction as oc
+    from memory_pool.runfile import Gathered
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    sparse = [3 * PER_PAGE, 7 * PER_PAGE, 11 * PER_PAGE]
+    _write(pool, t, ref, sparse, 2)
+    pool.compact()
+    ov = pool._compaction.overlay
+    _write(pool, t, ref, (list(range(16, 16 + PER_PAGE // 2)) if dense else []) + sparse, 3)
+    ov.repend(["a"])   # (as a trim does: the rows are read from their run again)
+    assert bool((ov.where["a"][sparse] < 0).all())
+    seen, real = [], oc.write_run
+
+    def peek_first(path, gen, tables, **kw):
+        seen.append((type(tables["a"][2]), ov.where["a"][sparse].tolist(), ov.peek("a", torch.tensor(sparse))))
+        return real(path, gen, tables, **kw)
+
+    monkeypatch.setattr(oc, "write_run", peek_first)
+    pool.compact()
+    pool.close()
+    assert [s[:2] for s in seen] == [(Gathered if dense else torch.Tensor, [-oc.NEW] * 3)]
+    mask, vals = seen[0][2]
+    assert bool(mask.all()) and torch.equal(vals.view(torch.float32), ref[sparse])
+
+
 def test_a_carried_row_written_home_later_leaves_a_tombstone_so_its_old_run_value_no_longer_counts(
         tmp_pool_dir, runs_mb):
     pool, t, ref = _new_pool(tmp_pool_dir)
