@@ -248,3 +248,42 @@ def test_kept_heads_go_with_their_records_and_never_stand_for_another_record(tmp
     j.rotate()
     assert j.reclaim(j.next_seq) > 0
     assert len(j.heads) == 0 and j.heads.nbytes == 0
+
+
+def test_a_table_whose_records_hold_another_tables_very_ids_reuses_its_plan_and_gets_its_own_values(
+        tmp_path, monkeypatch):
+    """An embedding table and its optimizer state are written with the same ids, in records of
+    their own (a record holds one row size): the state table's plan is the table's, and each
+    still gets its own newest values."""
+    from memory_pool import newest
+    g = torch.Generator().manual_seed(3)
+    j = Journal(tmp_path / "journal", direct=True)
+    sizes = {"a": 500, "s": 500}
+    written = []
+    for tag in range(8):
+        ids = torch.randperm(500, generator=g)[:int(torch.randint(1, 300, (1,), generator=g))]
+        for name, dim in (("a", DIM), ("s", 1)):
+            vals = torch.randn(ids.numel(), dim, generator=g)
+            seq = j.next_seq
+            j.append(RecordType.ROWS, tag, encode_row_set([(name, ids)], vals))
+            written.append((seq, {name: (ids, vals)}))
+        j.end(tag, {"step": tag})
+    refs = {r.seq: r for t in j.txns for r in t.records}
+    written = [(refs[seq], tables) for seq, tables in written]
+    calls = []
+    real = newest.newest_places
+    monkeypatch.setattr(newest, "newest_places", lambda *a: calls.append(1) or real(*a))
+
+    def every(ref, name, ids):
+        return True
+
+    check(newest_rows(j, [r for r, _ in written], sizes, every), reference(written, every))
+    assert len(calls) == 1
+    # A mask that keeps other rows of the state table: its own plan.
+    calls.clear()
+
+    def some(ref, name, ids):
+        return (ids % 3) != 0 if name == "s" else True
+
+    check(newest_rows(j, [r for r, _ in written], sizes, some), reference(written, some))
+    assert len(calls) == 2
