@@ -22,7 +22,7 @@ import os
 
 import torch
 
-__all__ = ["Arena", "PAGE", "page_round"]
+__all__ = ["Arena", "PAGE", "page_round", "populated"]
 
 PAGE = mmap.PAGESIZE
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, mmap.PROT_READ, mmap.PROT_WRITE
@@ -45,6 +45,17 @@ _MADV_PAGEOUT = 21
 
 def page_round(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+def populated(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh anonymous memory (uint8), its pages made present by one call
+    (``MAP_POPULATE``), not by a fault each, for a large buffer about to be filled whole. On
+    this VM a first fault costs ~1.9 us a page and populating ~1 us (256 MB: 0.12 against
+    0.065 s of CPU). Below 1 MiB, ``torch.empty``. The memory goes with the last view of it."""
+    if nbytes < (1 << 20):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    m = mmap.mmap(-1, page_round(nbytes), flags=_MAP_PRIVATE | _MAP_ANON | getattr(mmap, "MAP_POPULATE", 0))
+    return torch.frombuffer(m, dtype=torch.uint8)[:nbytes]
 
 
 def _mmap(addr, length, prot, flags, fd=-1, off=0) -> int:

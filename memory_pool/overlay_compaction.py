@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arena import PAGE
+from .arena import PAGE, populated
 from . import fileio
 from .durable import fsync_dir
 from .records import copy_rows, row_words
@@ -82,7 +82,7 @@ class OverlayCompaction:
             cnt = torch.bincount(page, minlength=int(page[-1]) + 1 if page.numel() else 0)
             home = rows[(cnt * rb >= dense * PAGE)[page]]
         in_window = _isin_sorted(home, ids)
-        values = torch.empty(home.numel(), rb, dtype=torch.uint8)
+        values = populated(home.numel() * rb).view(home.numel(), rb)
         win, rest = in_window.nonzero().flatten(), (~in_window).nonzero().flatten()
         if win.numel():
             copy_rows(values, win, row_words(raw).index_select(0, torch.searchsorted(ids, home[win])).view(torch.uint8))
