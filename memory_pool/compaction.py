@@ -107,6 +107,8 @@ class Compaction:
 
     @property
     def overlay(self) -> Overlay | None:
+        """The row overlay a compaction writes through (None: none yet). Setting one also has
+        the journal keep its row records' heads (:meth:`_keep_heads`)."""
         return self._overlay
 
     @overlay.setter
