@@ -56,10 +56,10 @@ class CacheMember:
         must be read through :meth:`current`, or :meth:`flush`ed first."""
         return self.arena.write_back
 
-    def current(self, ids: torch.Tensor, ready=None) -> torch.Tensor:
+    def current(self, ids: torch.Tensor, ready=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids``' current values (cached ones from their slots), not counted as reads
-        (``ready``: as :meth:`read`'s)."""
-        return self._read(ids, ready)[0]
+        (``ready``: as :meth:`read`'s), into ``out`` (``[ids, dim]``, contiguous) if given."""
+        return self._read(ids, ready, out)[0]
 
     def newer_into(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The cached rows among ``ids`` written into their places in ``out`` (``[ids, dim]``):
@@ -82,9 +82,11 @@ class CacheMember:
         if at.numel():
             out.index_copy_(0, at, self.arena.groups[self.group].slots[self.member].index_select(0, slot.index_select(0, at)))
 
-    def _read(self, ids: torch.Tensor, ready) -> tuple[torch.Tensor, int, int]:
+    def _read(self, ids: torch.Tensor, ready, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
         """The cached rows of ``ids`` from their slots, the others from the home, ``ready(those
-        rows)`` first. Returns (rows, bytes from DRAM, bytes from home)."""
+        rows)`` first, into ``out`` if given (the journal's after-images go straight into their
+        record: no temporary of a window's rows and no second copy of them). Returns (rows,
+        bytes from DRAM, bytes from home)."""
         a = self.arena
         g = a.groups[self.group]
         with a.lock:  # (never beside an admission or eviction)
@@ -92,7 +94,8 @@ class CacheMember:
             s, h = g.slots[self.member], g.homes[self.member]
             rb = s.shape[1] * 4
             if bool(hit.all()):
-                return s.index_select(0, slot), ids.numel() * rb, 0
+                return torch.index_select(s, 0, slot, out=out) if out is not None else s.index_select(0, slot), \
+                    ids.numel() * rb, 0
             # (only the rows not cached are read from the home, and only they need an on-demand
             # replay's or a run's value applied there first: the journal's after-image gathers
             # read ~12k rows a step on `kaggle`, nearly all cached -- reading the home for all of
@@ -100,8 +103,9 @@ class CacheMember:
             miss = (~hit).nonzero().flatten()
             if ready is not None:
                 ready(ids[miss])
-            out = torch.empty(ids.numel(), s.shape[1], dtype=s.dtype)
-            out[miss] = h.index_select(0, ids[miss])
+            if out is None:
+                out = torch.empty(ids.numel(), s.shape[1], dtype=s.dtype)
+            out.index_copy_(0, miss, h.index_select(0, ids.index_select(0, miss)))
             self._cached_into(slot, hit, out)
             return out, (ids.numel() - miss.numel()) * rb, miss.numel() * rb
 

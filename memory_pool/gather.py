@@ -46,7 +46,7 @@ class RowGather(NamedTuple):
     src: torch.Tensor
     ids: torch.Tensor
     grouped: bool  # a view of the arena shared by several pairs (else one table's own view)
-    read: Callable[[torch.Tensor], torch.Tensor] | None = None
+    read: Callable[..., torch.Tensor] | None = None   # (ids, out=None) -> rows
 
     @property
     def rows(self) -> int:
@@ -63,7 +63,7 @@ class RowGather(NamedTuple):
     def into(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the rows into ``out`` (``[rows, src columns]``, ``src``'s dtype); returns it."""
         if self.read is not None:
-            return out.copy_(self.read(self.ids))
+            return self.read(self.ids, out=out)
         if self.src.shape[1] == 1 and self.src.is_contiguous() and out.is_contiguous():
             # (one-element rows, row-wise Adagrad's state: a 1-D gather is ~5x faster than
             # index_select's row loop over [N, 1])

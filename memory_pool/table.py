@@ -293,12 +293,15 @@ class Table:
         if self._cache is not None:
             self._cache.write_through(ids, raw.view(self.dtype).view(ids.numel(), self.embedding_dim))
 
-    def current_rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def current_rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` (int64, valid) as they are now, where a write-back DRAM cache holds rows
-        newer than the home (the checkpointer's gathers, ``persist``); not counted as reads."""
+        newer than the home (the checkpointer's gathers, ``persist``); not counted as reads.
+        ``out``: where to write them (``[ids, dim]``, contiguous; returned)."""
         if self._cache is not None and self._cache.holds_newer:
-            return self._cache.current(ids, self._ready)  # (it readies the rows it reads from home)
+            return self._cache.current(ids, self._ready, out)  # (it readies the rows it reads from home)
         self._host.ready_rows(self.name, ids)
+        if out is not None:
+            return torch.index_select(self._region.tensor, 0, ids, out=out)
         return self._region.tensor.index_select(0, ids)
 
     def _ready(self, ids: torch.Tensor) -> None:
