@@ -340,10 +340,12 @@ class CachedFusedEmbeddingBags:
         ``r`` is ``row_base[f] + r``): then a plan's rows in that numbering go in as they are."""
         return torch.equal(self.arena.row_base, row_base)
 
-    def prefetch(self, rows, flat: torch.Tensor | None = None) -> int:
+    def prefetch(self, rows, flat: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                 lengths=None) -> int:
         """A planned batch's distinct rows per table (``flat``: the same in the arena's
-        numbering, if the caller has it): returns its sequence number."""
-        return self.arena.prefetch(rows, flat)
+        numbering, if the caller has it): returns its sequence number. ``values``, ``lengths``:
+        the batch's ids (the very tensor :meth:`__call__` will get) and how many each table has."""
+        return self.arena.prefetch(rows, flat, values, lengths)
 
     def __call__(self, values: torch.Tensor, offsets: torch.Tensor, rows, seq: int | None = None,
                  flat: torch.Tensor | None = None) -> torch.Tensor:

@@ -319,7 +319,11 @@ class PoolDLRM(nn.Module):
             plan.rows = [torch.from_numpy(local[cut[f]:cut[f + 1]]) for f in range(len(self.features))]
             plan.global_rows, plan.row_base = uniq, base
             if self.cache_bags is not None:  # (lookahead: the rows read into the DRAM cache now)
-                plan.cache_seq = self.cache_bags.prefetch(plan.rows, self._cache_rows(plan))
+                flat = self._cache_rows(plan)
+                # (in the arena's numbering, the batch's ids too: translated to slots ahead, there)
+                ids = (values, np.diff(np.asarray(bounds)).tolist()) \
+                    if flat is not None and len(bounds) == len(self.tables) + 1 else (None, None)
+                plan.cache_seq = self.cache_bags.prefetch(plan.rows, flat, *ids)
             return plan
         lengths = kjt.lengths().to(torch.int64)
         for f in self.features:

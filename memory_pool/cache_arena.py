@@ -215,8 +215,9 @@ class CacheArena(WriteBackSlots):
         # their ids), with the rows list it was given (begin checks that it gets the same one),
         # and a count of the steals and invalidations that may have taken one of their slots
         # since (each empties it: below).
-        self._complete: dict[int, Sequence[torch.Tensor]] = {}
+        self._complete: dict[int, tuple] = {}   # (with the ids given, and their slots: _translate)
         self._takings = 0
+        self._end_slots: tuple | None = None   # (seq, its rows' slots in one numbering): begin -> end
 
     # -- description
     @property
@@ -272,11 +273,14 @@ class CacheArena(WriteBackSlots):
         return flat, counts
 
     # -- the steps
-    def prefetch(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None = None) -> int:
+    def prefetch(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None = None,
+                 values: torch.Tensor | None = None, lengths: Sequence[int] | None = None) -> int:
         """A planned batch (``rows[g]``: its sorted distinct rows of group ``g``; ``flat``: the
         same in one numbering, see :meth:`_flat_rows`): returns its ``seq`` and reads the rows it
         misses into slots no running or planned batch needs, if there are enough (else its step
-        reads them). Call in the order the batches will run."""
+        reads them). Call in the order the batches will run. ``values``, ``lengths``: the ids
+        :meth:`begin` will be given (the same tensor), translated to slots here when every row
+        is resident, off the step's thread."""
         t0 = time.perf_counter()
         with self._lock:
             seq = self._next_seq
@@ -288,12 +292,15 @@ class CacheArena(WriteBackSlots):
         # waited ~2 ms each). Rows that step made resident in between are stamped, not read.
         read, skipped = self._admit_groups(rows, missed, cut, seq, steal=False, recheck=True)
         if not skipped:
+            # The step's translation, now (~1 ms of the step's thread on `kaggle`), outside the
+            # lock: the rows keep their slots but for a steal or an invalidation (``_takings``).
+            pre = self._translate(rows, flat, values, lengths) if values is not None else None
             with self._lock:
                 # Every row resident and stamped ``seq``: only a steal (a step's, of a planned
                 # batch's slot) or an invalidation evicts it before its step, and none came since
                 # this batch was stamped (the lock was let go between groups).
                 if self._takings == takings and seq >= self._floor:
-                    self._complete[seq] = rows
+                    self._complete[seq] = (rows, values, pre)
         self.stats.rows_prefetched += read
         self.stats.prefetch_skipped += skipped
         self.stats.prefetch_seconds += time.perf_counter() - t0
@@ -323,12 +330,16 @@ class CacheArena(WriteBackSlots):
                 self._next_seq += 1
             self._floor = seq
             self._running = seq
-            if self._complete.get(seq) is rows:
+            done = self._complete.get(seq)
+            pre = None
+            if done is not None and done[0] is rows:
                 # (the prefetch made every row resident and stamped it: nothing to look up, 1.5-2
                 # ms of the step's own thread on `kaggle`; its admissions set the rows' ref bits,
                 # as the lookup here would have)
                 needed = flat.numel() if flat is not None else sum(ids.numel() for ids in rows)
                 misses = 0
+                if done[1] is values and done[2] is not None:
+                    pre = done[2]   # (and the ids translated already: the same tensor, the same slots)
             else:
                 needed, missed, cut = self._stamp_hits(rows, flat, seq)
                 misses, _ = self._admit_groups(rows, missed, cut, seq, steal=True, recheck=False)
@@ -338,10 +349,24 @@ class CacheArena(WriteBackSlots):
             st.rows_needed += needed
             st.hits += needed - misses
             st.misses += misses
-            shifted = values + torch.repeat_interleave(self._row_base[:-1], torch.as_tensor(lengths))
-            slots = self._map.index_select(0, shifted).to(torch.int64)
+            if pre is None:
+                pre = self._translate(rows, flat, values, lengths)
+            self._end_slots = (seq, pre[1])
         self.stats.wait_seconds += time.perf_counter() - t0
-        return seq, slots
+        return seq, pre[0]
+
+    def _translate(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None, values: torch.Tensor,
+                   lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(Every row of the batch resident.) ``values`` (``lengths[g]`` ids of group ``g``,
+        concatenated) as slot ids of each group, int64; and, for a write-back arena, the batch's
+        distinct rows as slots in the arena's one numbering (what :meth:`end` marks dirty)."""
+        shifted = values + torch.repeat_interleave(self._row_base[:-1], torch.as_tensor(lengths))
+        slots = self._map.index_select(0, shifted).to(torch.int64)
+        return slots, self._gslots(rows, flat) if self.write_back else None
+
+    def _gslots(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None) -> torch.Tensor:
+        flat, counts = self._flat_rows(rows, flat)
+        return self._map.index_select(0, flat).to(torch.int64) + torch.repeat_interleave(self._slot_base[:-1], counts)
 
     def end(self, rows: Sequence[torch.Tensor], seq: int, flat: torch.Tensor | None = None) -> None:
         """After the fused update of batch ``seq``: its rows, every member, written from their
@@ -350,11 +375,12 @@ class CacheArena(WriteBackSlots):
         t0 = time.perf_counter()
         n = 0
         if self.write_back:
-            flat, counts = self._flat_rows(rows, flat)
-            if flat.numel():
-                with self._lock, intra_op_threads(1):   # (small ops: as in begin)
-                    gslot = self._map.index_select(0, flat).to(torch.int64) + \
-                        torch.repeat_interleave(self._slot_base[:-1], counts)
+            # (the slots begin or the prefetch found: stamped ``seq``, kept until the floor passes)
+            es, gslot = self._end_slots if self._end_slots is not None else (None, None)
+            with self._lock, intra_op_threads(1):   # (small ops: as in begin)
+                if es != seq or gslot is None:
+                    gslot = self._gslots(rows, flat)
+                if gslot.numel():
                     new = torch.masked_select(gslot, ~self._dirty.index_select(0, gslot))
                     self._dirty.index_fill_(0, new, True)
                     per = torch.bincount(torch.searchsorted(self._slot_base, new, right=True) - 1,

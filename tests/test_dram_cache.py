@@ -187,6 +187,43 @@ def test_a_step_that_steals_a_prefetched_batchs_slot_makes_that_batch_look_its_r
     pool.close()
 
 
+def test_ids_given_to_the_prefetch_are_translated_there_and_again_at_begin_after_a_steal(tmp_path, monkeypatch):
+    """A batch prefetched whole with its ids has them translated to slots by the prefetch: its
+    begin gives those (the same tensor) without translating, and its end marks those slots dirty.
+    A steal after the prefetch makes begin translate again: every slot it gives holds its row."""
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (2, 10), write_back=True)
+    calls, translate = [], CacheArena._translate
+    monkeypatch.setattr(CacheArena, "_translate", lambda self, *a: calls.append(a[-2]) or translate(self, *a))
+    none = torch.empty(0, dtype=torch.int64)
+    first = [torch.tensor([0, 1]), torch.tensor([4])]
+    ids = torch.tensor([1, 0, 1, 4, 4])                          # (duplicates: ids, not rows)
+    s0 = arena.prefetch(first, None, ids, [3, 2])
+    assert len(calls) == 1 and calls[0] is ids and s0 in arena._complete
+    s1 = arena.prefetch([torch.tensor([2]), none], None, torch.tensor([2]), [1, 0])  # no free slot: its step's
+    assert s1 not in arena._complete and len(calls) == 1
+    pre = arena._complete[s0][2][0]
+    got = arena.begin(first, ids, [3, 2], seq=s0)[1]
+    assert len(calls) == 1 and got is pre
+    assert torch.equal(got, torch.tensor([1, 0, 1, 0, 0]))     # (a's slots 0, 1; b's slot 0)
+    arena.end(first, s0)
+    assert arena.dirty_slots == 3
+    late = [torch.tensor([3, 4]), none]
+    late_ids = torch.tensor([4, 3, 4])
+    s2 = arena.prefetch(late, None, late_ids, [3, 0])
+    assert s2 in arena._complete and len(calls) == 2
+    arena.begin([torch.tensor([2]), none], torch.tensor([2]), [1, 0], seq=s1)  # steals s2's slot
+    arena.end([torch.tensor([2]), none], s1)
+    assert arena.stats.prefetch_stolen == 1
+    _, slots = arena.begin(late, late_ids, [3, 0], seq=s2)
+    assert len(calls) == 4                                       # s1's begin, and s2's again
+    g = arena.groups[0]
+    assert torch.equal(g.slot_row[slots], late_ids) and torch.equal(g.slots[0][slots], members[0][0].view()[late_ids])
+    arena.end(late, s2)
+    assert bool(g.dirty[slots].all())
+    pool.close()
+
+
 def test_a_steal_while_a_prefetch_lets_go_of_the_lock_leaves_that_batch_to_look_its_rows_up(tmp_path, monkeypatch):
     """A slot taken from planned batches between two groups of a prefetch (the lock let go)
     may be one the prefetch just filled: that batch does not count as prefetched whole."""
