@@ -1,4 +1,5 @@
-"""Thin ctypes bindings of PMDK's libpmem, when installed.
+"""Thin ctypes bindings: PMDK's libpmem, when installed; this package's own C row hash
+(``memory_pool/_rowhash.c``), when it was built.
 
 libpmem (Debian ``libpmem1``) is optional. When present, persisting a range of a mapping goes
 through ``pmem_persist`` if the range is real persistent memory (``pmem_is_pmem``: a DAX
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.machinery
 import os
+from pathlib import Path
 
-__all__ = ["libpmem", "LibPmem", "LIBPMEM"]
+__all__ = ["libpmem", "LibPmem", "LIBPMEM", "rowhash"]
 
 LIBPMEM = "libpmem"   # PMDK's library, as the dynamic linker names it
 
@@ -60,3 +63,30 @@ def libpmem() -> LibPmem | None:
                 lib = None
         _cached.append(lib)
     return _cached[0]
+
+
+_rowhash: list = []
+
+
+def rowhash():
+    """``dlrm_uniform_rows`` of ``memory_pool/_rowhash.c`` (see there), or None when it was not
+    built (no C compiler at install: ``setup.py`` makes it optional) or ``DLRM_CXL_NO_NATIVE=1``
+    (then NumPy computes the same values: ``memory_pool.initializers``)."""
+    if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
+        return None
+    if not _rowhash:
+        fn = None
+        here = Path(__file__).parent
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = here / f"_rowhash{suffix}"
+            if path.exists():
+                try:
+                    fn = ctypes.CDLL(str(path)).dlrm_uniform_rows   # (CDLL: the GIL is let go during the call)
+                except (OSError, AttributeError):
+                    continue
+                fn.restype = None
+                fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                               ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                break
+        _rowhash.append(fn)
+    return _rowhash[0]

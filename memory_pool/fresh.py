@@ -90,6 +90,14 @@ class InitSpec:
         else:
             uniform_rows(self.seed, rows.numpy(), out.shape[1], self.scale, out=out.numpy())
 
+    def fill_at(self, rows: torch.Tensor, slots: torch.Tensor, at: torch.Tensor) -> None:
+        """The initial values of ``rows`` (int64) written into rows ``at`` of ``slots``
+        (``[slots, dim]`` float32, contiguous): no temporary, no scatter."""
+        if self.kind == "zeros":
+            slots.index_fill_(0, at, 0.0)
+        else:
+            uniform_rows(self.seed, rows.numpy(), slots.shape[1], self.scale, out=slots.numpy(), at=at.numpy())
+
     def values(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         """The initial float32 values of ``rows`` (int64), ``[rows, dim]``."""
         out = torch.empty(rows.numel(), dim, dtype=torch.float32)
@@ -133,15 +141,14 @@ class FreshGroup:
 
     def create(self, member: int, rows: torch.Tensor, slots: torch.Tensor, at: torch.Tensor) -> None:
         """Member ``member``'s initial values of ``rows`` written into ``slots`` (``[slots,
-        dim]``) at ``at`` (sorted, distinct): in place when ``at`` is one run of slots -- a
-        cache filling its never-used slots takes them in order -- else through a copy. (In
-        place: no temporary and no scatter, ~1.3 ms a batch of the prefetch thread's CPU on
-        `kaggle`, whose ~3,000 rows a batch are mostly new for its first thousands of steps.)"""
+        dim]``) at ``at`` (sorted, distinct), in place: no temporary and no scatter (~1.3 ms a
+        batch of the prefetch thread's CPU on `kaggle`, whose ~3,000 rows a batch are mostly new
+        for its first thousands of steps, before the C hash: ``memory_pool/_rowhash.c``)."""
         n = at.numel()
         if n and int(at[-1]) - int(at[0]) + 1 == n:
             self._specs[member].fill(rows, slots[int(at[0]):int(at[0]) + n])
         elif n:
-            slots.index_copy_(0, at, self._specs[member].values(rows, self._dims[member]))
+            self._specs[member].fill_at(rows, slots, at)
 
 
 class FreshRows:

@@ -35,9 +35,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ._native import rowhash
 from .errors import InvalidConfigError
 
-__all__ = ["INIT_BLOCK_ROWS", "INIT_VERSION", "uniform_rows", "uniform_block", "uniform_chunks", "init_workers"]
+__all__ = ["INIT_BLOCK_ROWS", "INIT_VERSION", "uniform_rows", "uniform_rows_numpy", "uniform_block", "uniform_chunks", "init_workers"]
 
 INIT_BLOCK_ROWS = 1 << 15  # rows generated at a time by one thread (not part of any value's definition)
 INIT_VERSION = 2          # the row hash above; 1: SFC64 blocks (stored pools only, never generated again)
@@ -77,10 +78,39 @@ def _fmix64(z: np.ndarray) -> np.ndarray:
     return z
 
 
-def uniform_rows(seed: int, rows, dim: int, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+def uniform_rows(seed: int, rows, dim: int, scale: float, out: np.ndarray | None = None, *,
+                 at: np.ndarray | None = None) -> np.ndarray:
     """The initial values of rows ``rows`` (int64, any order) of a table initialised from
     ``seed``, uniform in ``[-scale, scale)``: float32 ``[len(rows), dim]``, into ``out`` if given
-    (C-contiguous). See the module for the definition."""
+    (C-contiguous); with ``at`` (int64, one per row, each ``< len(out)``), row ``i`` goes to
+    ``out[at[i]]`` instead. See the module for the definition.
+
+    Computed by ``memory_pool/_rowhash.c`` when it was built (one pass, ~10x faster on a
+    cache's ~100-row calls), else by :func:`uniform_rows_numpy`: the same bits."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    fn = rowhash()
+    if out is None:
+        out = np.empty((rows.size if at is None else 0, dim), dtype=np.float32)
+    if at is not None:
+        at = np.ascontiguousarray(at, dtype=np.int64)
+        if at.shape != rows.shape or (at.size and (int(at.min()) < 0 or int(at.max()) >= out.shape[0])):
+            raise ValueError(f"uniform_rows: {at.size} places for {rows.size} rows, or a place outside {out.shape[0]}")
+    if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != dim or not out.flags.c_contiguous \
+            or (at is None and out.shape[0] != rows.size):
+        raise ValueError(f"uniform_rows: out must be C-contiguous float32 [rows, {dim}], got {out.dtype} {out.shape}")
+    if fn is None:
+        if at is None:
+            return uniform_rows_numpy(seed, rows, dim, scale, out)
+        out[at] = uniform_rows_numpy(seed, rows, dim, scale)
+        return out
+    if rows.size:
+        fn(seed % (1 << 64), rows.ctypes.data, rows.size, dim, float(np.float32(2.0 * scale / (1 << 24))),
+           float(np.float32(scale)), out.ctypes.data, at.ctypes.data if at is not None else None, dim)
+    return out
+
+
+def uniform_rows_numpy(seed: int, rows, dim: int, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`uniform_rows` in NumPy: the definition (the C one computes the same bits)."""
     rows = np.asarray(rows, dtype=np.int64)
     n = rows.size
     key = _fmix64(np.array([seed % (1 << 64)], dtype=np.uint64) ^ _SEED_MIX)

@@ -20,6 +20,7 @@ import textwrap
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -491,6 +492,44 @@ def test_a_rows_initial_value_is_its_definition_computed_for_that_row_alone():
     assert torch.equal(got, torch.stack([_uniform_reference(r, 6, 3, 0.25) for r in rows]))
     assert torch.equal(got[2:3], torch.from_numpy(uniform_rows(3, [7], 6, 0.25)))   # (alone, same value)
     assert not torch.equal(got, torch.from_numpy(uniform_rows(4, rows, 6, 0.25)))   # (the seed counts)
+
+
+def test_the_c_row_hash_gives_the_numpy_definitions_bits_and_writes_rows_where_it_is_told():
+    """memory_pool/_rowhash.c (built at install: setup.py) against the NumPy definition, over
+    seeds (negative, >= 2^63), widths (odd ones: the vector loop's tails), scales and rows; then
+    the scattered form writes each row at its place and nothing else."""
+    from memory_pool._native import rowhash
+    from memory_pool.initializers import uniform_rows, uniform_rows_numpy
+
+    if rowhash() is None:
+        pytest.skip("memory_pool/_rowhash.c was not built (no C compiler at install)")
+    rng = np.random.default_rng(5)
+    for seed in (0, 3, -3, 2 ** 63 + 5, 12_345_678_901_234_567):
+        for dim in (1, 3, 8, 17, 64, 128):
+            for scale in (0.25, 1 / 3, 1e-7, 7.5, 100_000 ** -0.5):
+                rows = rng.integers(-10, 2 ** 40, 64)
+                got = uniform_rows(seed, rows, dim, scale)
+                assert got.tobytes() == uniform_rows_numpy(seed, rows, dim, scale).tobytes(), (seed, dim, scale)
+    rows = np.array([9, 2 ** 33 + 5, 4])
+    out = np.full((6, 5), 7.0, dtype=np.float32)
+    uniform_rows(11, rows, 5, 0.5, out, at=np.array([4, 0, 2]))
+    assert out[[4, 0, 2]].tobytes() == uniform_rows_numpy(11, rows, 5, 0.5).tobytes()
+    assert (out[[1, 3, 5]] == 7.0).all()
+    with pytest.raises(ValueError, match="a place outside 6"):
+        uniform_rows(11, rows, 5, 0.5, out, at=np.array([4, 0, 6]))
+
+
+def test_without_the_c_row_hash_numpy_writes_the_same_rows_where_it_is_told(monkeypatch):
+    from memory_pool import _native
+    from memory_pool.initializers import uniform_rows
+
+    monkeypatch.setenv("DLRM_CXL_NO_NATIVE", "1")
+    assert _native.rowhash() is None
+    rows = [0, 1, 7, 12_345, 2 ** 33 + 5]
+    out = np.zeros((7, 6), dtype=np.float32)
+    uniform_rows(3, rows, 6, 0.25, out, at=np.array([6, 0, 1, 3, 2]))
+    assert torch.equal(torch.from_numpy(out[[6, 0, 1, 3, 2]]), torch.stack([_uniform_reference(r, 6, 3, 0.25) for r in rows]))
+    assert (out[[4, 5]] == 0).all()
 
 
 @pytest.mark.parametrize("threads", ["1", "3"])
