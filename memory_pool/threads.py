@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
-__all__ = ["one_intra_op_thread", "intra_op_threads", "InOrder"]
+__all__ = ["one_intra_op_thread", "intra_op_threads", "lower_priority", "InOrder"]
 
 _lock = threading.Lock()
 
@@ -32,6 +33,24 @@ def one_intra_op_thread() -> None:
         reset = threading.Thread(target=torch.set_num_threads, args=(default,), name="dlrm-cxl-thread-default")
         reset.start()
         reset.join()
+
+
+def lower_priority(env: str, default: int) -> int:
+    """The calling thread's nice value raised to at least ``$env`` (default ``default``; 0:
+    left alone); returns the thread's nice value now. Linux keeps a nice value per thread: the
+    other threads of the process keep theirs. Where the system refuses (not Linux), nothing
+    changes."""
+    raw = os.environ.get(env, "").strip()
+    want = min(int(raw), 19) if raw.isdigit() else default
+    try:
+        tid = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        if want > now:
+            os.setpriority(os.PRIO_PROCESS, tid, want)
+            now = want
+        return now
+    except (AttributeError, OSError):
+        return 0
 
 
 @contextlib.contextmanager

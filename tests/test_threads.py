@@ -66,3 +66,50 @@ def test_a_failed_call_reaches_the_feeder_at_its_next_feed_or_drain():
         q2.drain()
     q2.drain()  # (reported once)
     q2.__exit__(None, None, None)
+
+
+def test_a_lowered_priority_is_the_calling_threads_alone_and_never_raised_back(monkeypatch):
+    """``lower_priority`` (the prefetch thread's): the calling thread's nice value goes up to the
+    one asked for; the process's other threads keep theirs; a value below the thread's own is no
+    change (raising a priority back needs a privilege); 0 leaves it alone."""
+    import os
+
+    from memory_pool.threads import lower_priority
+
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def worker(name, value):
+        if value is not None:
+            monkeypatch.setenv("DLRM_TEST_NICE", value)
+        seen[name] = (lower_priority("DLRM_TEST_NICE", 3), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    for name, value in (("default", None), ("env", str(min(main + 5, 19))), ("below", "0")):
+        t = threading.Thread(target=worker, args=(name, value))
+        t.start()
+        t.join()
+    assert seen["default"] == (max(main, 3),) * 2
+    assert seen["env"] == (min(main + 5, 19),) * 2
+    assert seen["below"] == (main, main)          # (0: left alone, at the process's value)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+
+
+def test_the_prefetch_thread_makes_its_items_at_a_lower_priority_than_the_step(monkeypatch):
+    """dlrm_cxl.data.Prefetcher: its producing thread runs at DEFAULT_NICE (README: why),
+    ``DLRM_CXL_PREFETCH_NICE=0`` leaves it at the process's; the consumer's is unchanged."""
+    import os
+
+    from dlrm_cxl.data import Prefetcher
+    from dlrm_cxl.data.prefetch import DEFAULT_NICE, NICE_ENV
+
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def nice_of_producer():
+        yield os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    with Prefetcher(nice_of_producer()) as p:
+        assert list(p) == [max(main, DEFAULT_NICE)]
+    monkeypatch.setenv(NICE_ENV, "0")
+    with Prefetcher(nice_of_producer()) as p:
+        assert list(p) == [main]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main and DEFAULT_NICE > main

@@ -6,11 +6,21 @@ import queue
 import threading
 from typing import Iterable
 
-from memory_pool.threads import one_intra_op_thread
+from memory_pool.threads import lower_priority, one_intra_op_thread
 
 from memory_pool.validation import is_int
 
 _ITEM, _END, _ERR = 0, 1, 2
+# The producing thread runs at this nice value (``$DLRM_CXL_PREFETCH_NICE`` overrides; 0: the
+# process's). Why: on a machine whose cores the step's own threads keep busy (the trainer's and
+# its OpenMP worker, here 2 of 2), the plans made beside the step -- a DRAM cache's admissions,
+# ~10 ms a batch on `kaggle` -- took a core from the step's two-thread ops, whose other thread
+# then waited at their barriers: a cached `kaggle` step's dense forward spent 5.5 ms a step
+# off the CPU. At nice 19 it runs when a step's thread is not runnable (a GIL wait, a serial
+# stretch), and the step's median time fell by ~3 ms (README, "Tables larger than DRAM").
+# It cannot starve the steps: a step waiting for its plan leaves a core to it.
+NICE_ENV = "DLRM_CXL_PREFETCH_NICE"
+DEFAULT_NICE = 19
 
 
 class Prefetcher:
@@ -42,6 +52,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         one_intra_op_thread()  # (its sorts and checks: off the trainer's cores' OpenMP team)
+        lower_priority(NICE_ENV, DEFAULT_NICE)
         try:
             for item in self._it:
                 if not self._put((_ITEM, item)):
