@@ -90,7 +90,9 @@ def uniform_rows(seed: int, rows, dim: int, scale: float, out: np.ndarray | None
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     fn = rowhash()
     if out is None:
-        out = np.empty((rows.size if at is None else 0, dim), dtype=np.float32)
+        if at is not None:
+            raise ValueError("uniform_rows: at= needs out=, the rows it places")
+        out = np.empty((rows.size, dim), dtype=np.float32)
     if at is not None:
         at = np.ascontiguousarray(at, dtype=np.int64)
         if at.shape != rows.shape or (at.size and (int(at.min()) < 0 or int(at.max()) >= out.shape[0])):

@@ -35,13 +35,12 @@ def one_intra_op_thread() -> None:
         reset.join()
 
 
-def lower_priority(env: str, default: int) -> int:
-    """The calling thread's nice value raised to at least ``$env`` (default ``default``; 0:
-    left alone); returns the thread's nice value now. Linux keeps a nice value per thread: the
-    other threads of the process keep theirs. Where the system refuses (not Linux), nothing
-    changes."""
-    raw = os.environ.get(env, "").strip()
-    want = min(int(raw), 19) if raw.isdigit() else default
+def lower_priority(nice: int) -> int:
+    """The calling thread's nice value raised to at least ``nice`` (at most 19; 0: left alone);
+    returns the thread's nice value now. Linux keeps a nice value per thread: the other threads
+    of the process keep theirs. A value is never lowered back (that needs a privilege). Where the
+    system refuses (not Linux), nothing changes."""
+    want = min(nice, 19)
     try:
         tid = threading.get_native_id()
         now = os.getpriority(os.PRIO_PROCESS, tid)

@@ -530,6 +530,8 @@ def test_without_the_c_row_hash_numpy_writes_the_same_rows_where_it_is_told(monk
     uniform_rows(3, rows, 6, 0.25, out, at=np.array([6, 0, 1, 3, 2]))
     assert torch.equal(torch.from_numpy(out[[6, 0, 1, 3, 2]]), torch.stack([_uniform_reference(r, 6, 3, 0.25) for r in rows]))
     assert (out[[4, 5]] == 0).all()
+    with pytest.raises(ValueError, match="at= needs out="):
+        uniform_rows(3, rows, 6, 0.25, at=np.array([6, 0, 1, 3, 2]))
 
 
 @pytest.mark.parametrize("threads", ["1", "3"])

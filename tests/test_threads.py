@@ -68,7 +68,7 @@ def test_a_failed_call_reaches_the_feeder_at_its_next_feed_or_drain():
     q2.__exit__(None, None, None)
 
 
-def test_a_lowered_priority_is_the_calling_threads_alone_and_never_raised_back(monkeypatch):
+def test_a_lowered_priority_is_the_calling_threads_alone_and_never_raised_back():
     """``lower_priority`` (the prefetch thread's): the calling thread's nice value goes up to the
     one asked for; the process's other threads keep theirs; a value below the thread's own is no
     change (raising a priority back needs a privilege); 0 leaves it alone."""
@@ -80,27 +80,27 @@ def test_a_lowered_priority_is_the_calling_threads_alone_and_never_raised_back(m
     seen = {}
 
     def worker(name, value):
-        if value is not None:
-            monkeypatch.setenv("DLRM_TEST_NICE", value)
-        seen[name] = (lower_priority("DLRM_TEST_NICE", 3), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        seen[name] = (lower_priority(value), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
-    for name, value in (("default", None), ("env", str(min(main + 5, 19))), ("below", "0")):
+    for name, value in (("up", min(main + 5, 19)), ("past 19", 40), ("zero", 0)):
         t = threading.Thread(target=worker, args=(name, value))
         t.start()
         t.join()
-    assert seen["default"] == (max(main, 3),) * 2
-    assert seen["env"] == (min(main + 5, 19),) * 2
-    assert seen["below"] == (main, main)          # (0: left alone, at the process's value)
+    assert seen["up"] == (min(main + 5, 19),) * 2
+    assert seen["past 19"] == (19, 19)
+    assert seen["zero"] == (main, main)          # (0: left alone, at the process's value)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
 
 
 def test_the_prefetch_thread_makes_its_items_at_a_lower_priority_than_the_step(monkeypatch):
     """dlrm_cxl.data.Prefetcher: its producing thread runs at DEFAULT_NICE (README: why),
-    ``DLRM_CXL_PREFETCH_NICE=0`` leaves it at the process's; the consumer's is unchanged."""
+    ``DLRM_CXL_PREFETCH_NICE=0`` leaves it at the process's; the consumer's is unchanged; a bad
+    value is refused before a thread starts."""
     import os
 
     from dlrm_cxl.data import Prefetcher
     from dlrm_cxl.data.prefetch import DEFAULT_NICE, NICE_ENV
+    from memory_pool.errors import InvalidConfigError
 
     main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
@@ -113,3 +113,7 @@ def test_the_prefetch_thread_makes_its_items_at_a_lower_priority_than_the_step(m
     with Prefetcher(nice_of_producer()) as p:
         assert list(p) == [main]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+    for bad in ("high", "-1", "20"):
+        monkeypatch.setenv(NICE_ENV, bad)
+        with pytest.raises(InvalidConfigError, match=f"{NICE_ENV} must be a whole number from 0 to 19"):
+            Prefetcher(iter([]))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Iterable
 
+from memory_pool.errors import InvalidConfigError
 from memory_pool.threads import lower_priority, one_intra_op_thread
 
 from memory_pool.validation import is_int
@@ -23,6 +25,19 @@ NICE_ENV = "DLRM_CXL_PREFETCH_NICE"
 DEFAULT_NICE = 19
 
 
+def prefetch_nice() -> int:
+    """The producing thread's nice value: ``$DLRM_CXL_PREFETCH_NICE`` (0-19), else
+    :data:`DEFAULT_NICE`. Raises InvalidConfigError for anything else (before a thread starts)."""
+    raw = os.environ.get(NICE_ENV)
+    if raw is None:
+        return DEFAULT_NICE
+    if not raw.strip().isdigit() or int(raw) > 19:
+        raise InvalidConfigError(f"{NICE_ENV} must be a whole number from 0 to 19, got {raw!r}",
+                                 hint=f"unset {NICE_ENV} (the default is {DEFAULT_NICE}), or 0 to leave the "
+                                      f"prefetch thread at the process's priority")
+    return int(raw)
+
+
 class Prefetcher:
     """Produce the next items of an iterator in a background thread (queue depth ``depth``).
 
@@ -34,6 +49,7 @@ class Prefetcher:
     def __init__(self, iterable: Iterable, depth: int = 2):
         if not is_int(depth, numpy=True) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        self._nice = prefetch_nice()
         self._it = iter(iterable)
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -52,7 +68,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         one_intra_op_thread()  # (its sorts and checks: off the trainer's cores' OpenMP team)
-        lower_priority(NICE_ENV, DEFAULT_NICE)
+        lower_priority(self._nice)
         try:
             for item in self._it:
                 if not self._put((_ITEM, item)):
