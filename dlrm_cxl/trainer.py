@@ -30,6 +30,7 @@ from memory_pool import PoolFormatError
 
 from .cores import CoreYield
 from .data import Prefetcher, make_data_source
+from .data.prefetch import prefetch_nice
 from .errors import ReplayMismatchError, TrainingDivergedError
 from .evaluation import eval_source, evaluate
 from .metrics import open_metrics
@@ -51,6 +52,7 @@ class Trainer:
     def __init__(self, options: TrainOptions, model_cfg: ModelConfig | None = None,
                  log: Callable[[str], None] | None = None, dist=None):
         validate_options(options)
+        prefetch_nice()   # (the environment's knob checked before any pool is made or opened)
         self.o = options
         self.dist = dist
         self.log = log or (lambda s: print(s, flush=True))

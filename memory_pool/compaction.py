@@ -102,8 +102,14 @@ class Compaction:
         # Rows a refresh wrote into the images, newest as of a sequence number: [(seq, {table:
         # sorted rows})]. A write-back pass of older records skips them (see refresh()).
         self._refreshed: list[tuple[int, dict]] = []
-        if journaled and rows and self.overlay_bound:
+        if self._wants_overlay:
             self._keep_heads()
+
+    @property
+    def _wants_overlay(self) -> bool:
+        """Whether the pool keeps a row overlay once a compaction runs (a journaled tier whose
+        rows are replayed, with a bound: :attr:`overlay_bound`)."""
+        return self._journaled and self._rows and bool(self.overlay_bound)
 
     @property
     def overlay(self) -> Overlay | None:
@@ -353,7 +359,7 @@ class Compaction:
         for r in regions:
             r.read_randomly()
         self._bounded |= {n for n, t in self._tables.items() if any(t.region is r for r in regions)}
-        if self._journaled and self._rows and self.overlay_bound:
+        if self._wants_overlay:
             self._keep_heads()
 
     def trim(self, regions) -> bool:
@@ -479,7 +485,7 @@ class Compaction:
     def _compaction_overlay(self) -> Overlay | None:
         """The overlay a compaction writes through: the pool's, or a new one when the pool
         should have one; None when it has none and should not."""
-        if self.overlay is None and self._journaled and self._rows and self.overlay_bound:
+        if self.overlay is None and self._wants_overlay:
             ov = Overlay(self._storage_dir / RUNS_DIR, read_only=False, stats=self.stats)
             ov.attach({n: t.region for n, t in self._tables.items()}, {})
             self.overlay = ov

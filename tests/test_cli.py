@@ -538,6 +538,15 @@ def test_diverged_training_is_exit_8(tmp_path):
     assert_clean_error(code, err, 8, "loss is", "learning rate")
 
 
+def test_a_bad_prefetch_nice_is_refused_with_a_hint_before_a_pool_is_made(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DLRM_CXL_PREFETCH_NICE", "high")
+    rc = main(["train", "--pool", str(tmp_path / "p"), "--preset", "tiny", "--steps", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "DLRM_CXL_PREFETCH_NICE must be a whole number from 0 to 19, got 'high'" in err
+    assert "hint: unset DLRM_CXL_PREFETCH_NICE" in err
+    assert not (tmp_path / "p").exists()
+
+
 def test_fresh_on_a_directory_that_is_not_a_pool_deletes_nothing(tmp_path, capsys):
     from dlrm_cxl.cli import main
 
