@@ -1,10 +1,14 @@
-"""The one compiled part: memory_pool/_rowhash.c, a plain C function loaded with ctypes
-(memory_pool/_native.py). Built with the package (``pip install -e .`` puts it beside its
-source). Optional: without a C compiler the install goes on and the NumPy definition runs."""
+"""The compiled parts: plain C functions loaded with ctypes (memory_pool/_native.py), no Python
+headers. memory_pool/_rowhash.c: rows' initial values; memory_pool/_rowsets.c: the row sets of a
+step (its distinct rows, a recovery window's first touches). Built with the package (``pip
+install -e .`` puts them beside their sources). Optional: without a C compiler the install goes
+on and the NumPy definitions run (memory_pool/initializers.py, memory_pool/rowsets.py)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "memory_pool._rowhash", ["memory_pool/_rowhash.c"], optional=True,
-    # -ffp-contract=off: no fused multiply-add (bit-identical to NumPy's two float32 roundings)
-    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"])])
+setup(ext_modules=[
+    Extension("memory_pool._rowhash", ["memory_pool/_rowhash.c"], optional=True,
+              # -ffp-contract=off: no fused multiply-add (bit-identical to NumPy's two float32 roundings)
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"]),
+    Extension("memory_pool._rowsets", ["memory_pool/_rowsets.c"], optional=True, extra_compile_args=["-O3"]),
+])

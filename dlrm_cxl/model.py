@@ -41,7 +41,7 @@ from torch import nn
 from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from memory_pool import InvalidIdsError, MemoryPool, Table, TouchedRows
+from memory_pool import DistinctRows, InvalidIdsError, MemoryPool, Table, TouchedRows
 
 from .data.batch import criteo_feature_names
 
@@ -157,28 +157,6 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def distinct_sorted(ids, *, narrow: bool = False) -> torch.Tensor:
-    """The distinct values of ``ids`` (1-D integers: a tensor or a NumPy array), sorted, as a CPU
-    int64 tensor: ``torch.unique(ids, sorted=True)``, with a sort and a neighbour mask.
-    ``narrow``: every value fits in int32 (4-byte keys sort faster).
-
-    Which sort: torch's, measured on `small`'s 53k ids a step (one thread, best of 7 over 32
-    batches, 2026-12-05, AMD EPYC with AVX-512): 0.59 ms with the mask, against 1.10 for NumPy's
-    and ~0.8 for ``torch.unique``. (On 2026-12-03's host NumPy's took 0.39: the sorts' ranking is
-    the CPU's; torch's has the smaller spread.) The plan runs on the prefetch thread, whose CPU
-    the step's OpenMP threads lose on a 2-core machine."""
-    t = torch.as_tensor(ids).cpu()
-    if narrow and t.dtype != torch.int32:
-        t = t.to(torch.int32)
-    s = torch.sort(t).values.numpy()
-    if s.size:
-        keep = np.empty(s.size, dtype=bool)
-        keep[0] = True
-        np.not_equal(s[1:], s[:-1], out=keep[1:])
-        s = s[keep]
-    return torch.from_numpy(s.astype(np.int64, copy=False))
-
-
 def state_table_name(table: str) -> str:
     """Pool table holding the row-wise Adagrad accumulator of ``table``."""
     return f"{table}.adagrad"
@@ -240,6 +218,7 @@ class PoolDLRM(nn.Module):
         for t in self.tables:
             base.append(base[-1] + t.num_embeddings)
         self._row_base = torch.tensor(base, dtype=torch.int64)
+        self._distinct = DistinctRows(base)   # (the plan's distinct rows, with one bitmap)
 
     def _cache_rows(self, plan: SparsePlan) -> torch.Tensor | None:
         """The plan's rows in the DRAM cache arena's numbering, when it numbers them as the plan
@@ -303,16 +282,14 @@ class PoolDLRM(nn.Module):
             if not rows and self.cache_bags is None:
                 plan.rows = [torch.empty(0, dtype=torch.int64) for _ in self.features]
                 return plan
-            # Distinct rows of every table with one sort: shift each table's ids by the rows of
-            # the tables before it, unique once, split at the table boundaries.
+            # Distinct rows of every table at once, in one numbering (each table's ids shifted
+            # by the rows of the tables before it: memory_pool.rowsets), split at the table
+            # boundaries.
             # (NumPy for these whole-batch array operations: one call each, no torch dispatch;
             # the ids are on the CPU -- a batch's sparse input is, whatever the dense device.)
             base = self._row_base
             nb = base.numpy()
-            narrow = int(nb[-1]) < 2**31
-            shifted = values.cpu().numpy().astype(np.int32 if narrow else np.int64)
-            shifted += np.repeat(nb[:-1].astype(shifted.dtype), np.diff(np.asarray(bounds)))
-            uniq = distinct_sorted(shifted)
+            uniq = self._distinct(values, np.diff(np.asarray(bounds)))
             u = uniq.numpy()
             cut = np.searchsorted(u, nb)
             local = u - np.repeat(nb[:-1], np.diff(cut))

@@ -15,6 +15,7 @@ from . import fileio
 from .durable import atomic_write, fsync_dir, json_crc, json_with_crc, parse_json_object
 from .gather import TouchedRows
 from .records import Fill
+from .rowsets import DistinctRows, distinct_sorted, first_touch
 from .threads import InOrder, intra_op_threads, one_intra_op_thread
 from .tiers import TIERS
 from .validation import env_mib
@@ -22,7 +23,7 @@ from .transaction import Transaction, decode_logged_mark, decode_row_set, record
 
 __all__ = ["MemoryPool", "Table", "TableConfig", "PoolStats", "TIERS", "FORMAT_VERSION",
            "destroy_pool", "read_header", "Transaction", "record_kind", "decode_row_set", "decode_logged_mark",
-           "undo_group_of", "TouchedRows",
+           "undo_group_of", "TouchedRows", "DistinctRows", "distinct_sorted", "first_touch",
            # what checkpointing needs besides (durable files, the I/O layer, a lazily filled record part)
            "fileio", "atomic_write", "fsync_dir", "json_crc", "json_with_crc", "parse_json_object", "Fill",
            "one_intra_op_thread", "intra_op_threads", "InOrder", "env_mib", "RegionInfo", "record_owner", "find_regions", "gc", *_errors_all]

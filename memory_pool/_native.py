@@ -1,5 +1,6 @@
-"""Thin ctypes bindings: PMDK's libpmem, when installed; this package's own C row hash
-(``memory_pool/_rowhash.c``), when it was built.
+"""Thin ctypes bindings: PMDK's libpmem, when installed; this package's own C functions (the
+row hash, ``memory_pool/_rowhash.c``; the step's row sets, ``memory_pool/_rowsets.c``), when
+they were built.
 
 libpmem (Debian ``libpmem1``) is optional. When present, persisting a range of a mapping goes
 through ``pmem_persist`` if the range is real persistent memory (``pmem_is_pmem``: a DAX
@@ -15,7 +16,7 @@ import importlib.machinery
 import os
 from pathlib import Path
 
-__all__ = ["libpmem", "LibPmem", "LIBPMEM", "rowhash"]
+__all__ = ["libpmem", "LibPmem", "LIBPMEM", "rowhash", "distinct_rows", "first_touch"]
 
 LIBPMEM = "libpmem"   # PMDK's library, as the dynamic linker names it
 
@@ -65,28 +66,53 @@ def libpmem() -> LibPmem | None:
     return _cached[0]
 
 
-_rowhash: list = []
+def _load(stem: str, symbol: str, restype, argtypes: list):
+    """``symbol`` of this package's C library ``stem`` (built by ``setup.py`` beside its
+    source), or None when it was not built or ``DLRM_CXL_NO_NATIVE=1``."""
+    if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
+        return None
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{stem}{suffix}"
+        if path.exists():
+            try:
+                fn = getattr(ctypes.CDLL(str(path)), symbol)   # (CDLL: the GIL is let go during the call)
+            except (OSError, AttributeError):
+                continue
+            fn.restype = restype
+            fn.argtypes = argtypes
+            return fn
+    return None
+
+
+_loaded: dict = {}
+
+
+def _once(stem: str, symbol: str, restype, argtypes: list):
+    if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
+        return None
+    if symbol not in _loaded:
+        _loaded[symbol] = _load(stem, symbol, restype, argtypes)
+    return _loaded[symbol]
+
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def rowhash():
     """``dlrm_uniform_rows`` of ``memory_pool/_rowhash.c`` (see there), or None when it was not
     built (no C compiler at install: ``setup.py`` makes it optional) or ``DLRM_CXL_NO_NATIVE=1``
     (then NumPy computes the same values: ``memory_pool.initializers``)."""
-    if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
-        return None
-    if not _rowhash:
-        fn = None
-        here = Path(__file__).parent
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = here / f"_rowhash{suffix}"
-            if path.exists():
-                try:
-                    fn = ctypes.CDLL(str(path)).dlrm_uniform_rows   # (CDLL: the GIL is let go during the call)
-                except (OSError, AttributeError):
-                    continue
-                fn.restype = None
-                fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-                               ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-                break
-        _rowhash.append(fn)
-    return _rowhash[0]
+    return _once("_rowhash", "dlrm_uniform_rows", None,
+                 [ctypes.c_uint64, _P, _I64, _I64, ctypes.c_float, ctypes.c_float, _P, _P, _I64])
+
+
+def distinct_rows():
+    """``dlrm_distinct_rows`` of ``memory_pool/_rowsets.c``, or None (as :func:`rowhash`; then
+    NumPy's sort computes the same rows: ``memory_pool.rowsets``)."""
+    return _once("_rowsets", "dlrm_distinct_rows", _I64, [_P, _I64, _P, _I64, _P, _P, _P, _P])
+
+
+def first_touch():
+    """``dlrm_first_touch`` of ``memory_pool/_rowsets.c``, or None (as :func:`distinct_rows`)."""
+    return _once("_rowsets", "dlrm_first_touch", _I64, [_P, _I64, _P, _I64, _P])

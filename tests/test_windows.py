@@ -375,10 +375,10 @@ def test_first_touches_keep_one_numbering_and_gather_the_same_rows_as_pair_by_pa
     against the same pairs as a plain list (one add per pair): the same ids, the same bytes;
     and the plan's distinct rows against torch.unique."""
     from checkpointing.window import WindowRows
-    from dlrm_cxl.model import PRESETS, distinct_sorted
+    from dlrm_cxl.model import PRESETS
     from dlrm_cxl.options import TrainOptions
     from dlrm_cxl.trainer import Trainer
-    from memory_pool import TouchedRows
+    from memory_pool import TouchedRows, distinct_sorted
     from memory_pool.gather import row_gathers
 
     ids = torch.tensor([7, 3, 3, 2**31 + 5, 0, 7], dtype=torch.int64)
