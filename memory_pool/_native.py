@@ -66,9 +66,12 @@ def libpmem() -> LibPmem | None:
     return _cached[0]
 
 
-def _load(stem: str, symbol: str, restype, argtypes: list):
+def _load(stem: str, symbol: str, restype, argtypes: list, *, keep_gil: bool = False):
     """``symbol`` of this package's C library ``stem`` (built by ``setup.py`` beside its
-    source), or None when it was not built or ``DLRM_CXL_NO_NATIVE=1``."""
+    source), or None when it was not built or ``DLRM_CXL_NO_NATIVE=1``. The call lets go of
+    the GIL (``ctypes.CDLL``) unless ``keep_gil`` (``ctypes.PyDLL``: for a call of tens of
+    microseconds on the trainer's thread, which would otherwise hand the GIL to the prefetch
+    thread and wait to get it back)."""
     if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
         return None
     here = Path(__file__).parent
@@ -76,7 +79,7 @@ def _load(stem: str, symbol: str, restype, argtypes: list):
         path = here / f"{stem}{suffix}"
         if path.exists():
             try:
-                fn = getattr(ctypes.CDLL(str(path)), symbol)   # (CDLL: the GIL is let go during the call)
+                fn = getattr((ctypes.PyDLL if keep_gil else ctypes.CDLL)(str(path)), symbol)
             except (OSError, AttributeError):
                 continue
             fn.restype = restype
@@ -88,11 +91,11 @@ def _load(stem: str, symbol: str, restype, argtypes: list):
 _loaded: dict = {}
 
 
-def _once(stem: str, symbol: str, restype, argtypes: list):
+def _once(stem: str, symbol: str, restype, argtypes: list, *, keep_gil: bool = False):
     if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
         return None
     if symbol not in _loaded:
-        _loaded[symbol] = _load(stem, symbol, restype, argtypes)
+        _loaded[symbol] = _load(stem, symbol, restype, argtypes, keep_gil=keep_gil)
     return _loaded[symbol]
 
 
@@ -114,5 +117,6 @@ def distinct_rows():
 
 
 def first_touch():
-    """``dlrm_first_touch`` of ``memory_pool/_rowsets.c``, or None (as :func:`distinct_rows`)."""
-    return _once("_rowsets", "dlrm_first_touch", _I64, [_P, _I64, _P, _I64, _P])
+    """``dlrm_first_touch`` of ``memory_pool/_rowsets.c``, or None (as :func:`distinct_rows`).
+    Keeps the GIL: ~50 us on the trainer's thread."""
+    return _once("_rowsets", "dlrm_first_touch", _I64, [_P, _I64, _P, _I64, _P], keep_gil=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from .arena import Arena
@@ -132,8 +133,8 @@ def _arena_rows(pairs, idx: list[int], rb: int) -> torch.Tensor:
     (~50 small tensor ops a step on `small`)."""
     g = getattr(pairs, "global_rows", None)
     if g is not None and [pairs.member[i] for i in idx] == list(range(len(pairs.base) - 1)):
-        base = pairs.base
-        shift = torch.tensor([pairs[i][0].arena_offset // rb for i in idx], dtype=torch.int64) - base[:-1]
-        counts = torch.diff(torch.searchsorted(g, base))
-        return g + torch.repeat_interleave(shift, counts, output_size=g.numel())
+        # (NumPy: a call costs a few us against torch's ~15 us dispatch; ~0.2 ms a step on `small`)
+        a, base = g.numpy(), pairs.base.numpy()
+        shift = np.fromiter((pairs[i][0].arena_offset // rb for i in idx), dtype=np.int64, count=len(idx)) - base[:-1]
+        return torch.from_numpy(a + np.repeat(shift, np.diff(np.searchsorted(a, base))))
     return torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])
