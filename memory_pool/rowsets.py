@@ -69,7 +69,7 @@ class DistinctRows:
         fn = _c_distinct()
         if fn is None:
             return self._numpy(values, lengths)
-        ids = values.to(torch.int64).contiguous()
+        ids = values.to(device="cpu", dtype=torch.int64).contiguous()   # (its address is read in C)
         out = np.empty(ids.numel(), dtype=np.int64)
         with self._lock:
             if self._bits is None:
