@@ -14,8 +14,10 @@ What is written depends on where a store lands (``MemoryPool.journaled``):
 * **Direct tiers** (shm, real pmem): an in-place store reaches the surviving medium at once, so the
   rows' old values must be durable *before* the update: ``log_before_image`` hands the rows to
   the writer thread, which gathers the before-images (a memory copy, while the forward only
-  reads them), appends them as ``UNDO`` records and syncs; ``persist`` waits for that. Recovery
-  rolls back the ``UNDO`` records after the last commit.
+  reads them), appends them as ``UNDO`` records and syncs; ``persist`` waits for that. An inline
+  writer (no spare core: ``dlrm_cxl.options.resolve_writer``) does the same in ``persist``
+  itself, after the forward has read the rows. Recovery rolls back the ``UNDO`` records after
+  the last commit.
 * **Journaled tiers** (emulated pmem, power-sim): the working copy is volatile and a row reaches
   durable media only inside a committed journal transaction. The rows of an unfinished step never
   need undoing, so no before-images are written; ``commit`` appends the step's after-images
@@ -142,6 +144,7 @@ class UndoLogCheckpointer(Checkpointer):
         self._packer = DensePacker()
         self._read = threading.Event()   # the writer has copied what the newest commit reads in place
         self._read.set()
+        self._inline = inline
         self._writer = _Inline() if inline else ThreadPoolExecutor(1, thread_name_prefix="journal-writer",
                                                                    initializer=one_intra_op_thread)
         self._inflight: Future | None = None    # the newest recovery point handed over
@@ -209,7 +212,12 @@ class UndoLogCheckpointer(Checkpointer):
             # (the step's before-images), appends and syncs them while the forward runs. No
             # row changes before persist() has waited for that.
             cur.gathered = Future()
-            cur.undo = self._writer.submit(self._write_undo, cur, self._bufs[cur.k % 2])
+            job = (self._write_undo, cur, self._bufs[cur.k % 2])
+            # An inline writer runs it at the write-ahead barrier instead (persist(), after the
+            # forward, right before the rows change): the forward has just read the step's
+            # rows, so the gather finds them in cache rather than missing on each (measured on
+            # shm, `small`, in-process, 5 rounds: 73.9 against 77.3 ms a step, none 71.6).
+            cur.undo = _Later(self._writer, *job) if self._inline else self._writer.submit(*job)
         else:
             self.hit("mid-log")
         self.stats.critical_seconds += time.perf_counter() - t0
@@ -218,6 +226,8 @@ class UndoLogCheckpointer(Checkpointer):
         cur = self._cur
         if cur is None or cur.gathered is None or not cur.complete:
             return None  # (inside a window only the rows it touches first are logged)
+        if isinstance(cur.undo, _Later):
+            cur.undo.start()  # (asked for before the barrier: the reference path's update)
         before = cur.gathered.result()  # (copied by now, or the writer's error)
         return {t.name: b for (t, _), b in zip(cur.touched, before)}
 
@@ -492,3 +502,29 @@ class _Inline:
 
     def shutdown(self, wait: bool = True) -> None:
         pass
+
+
+class _Later:
+    """An inline writer's job run when it is first waited for (``persist``, the write-ahead
+    barrier), not when it is handed over; never, when the step fails before it (no row changed:
+    nothing to log). The part of a :class:`~concurrent.futures.Future` the checkpointer uses."""
+
+    def __init__(self, writer: _Inline, fn, *args):
+        self._job = (fn, args)
+        self._writer = writer
+        self._fut: Future | None = None
+
+    def start(self) -> Future:
+        if self._fut is None:
+            fn, args = self._job
+            self._fut = self._writer.submit(fn, *args)
+        return self._fut
+
+    def result(self):
+        return self.start().result()
+
+    def done(self) -> bool:
+        return self._fut is not None and self._fut.done()
+
+    def exception(self):
+        return self._fut.exception() if self._fut is not None else None

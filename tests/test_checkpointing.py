@@ -684,6 +684,34 @@ def test_an_inline_checkpointer_makes_each_step_durable_before_commit_returns(tm
         assert torch.equal(again.table("t").view(), expected)
 
 
+def test_an_inline_writer_logs_before_images_at_the_barrier_and_nothing_for_a_step_failing_before_it(tmp_pool_dir):
+    """An inline writer gathers and appends a step's before-images in ``persist`` (the
+    write-ahead barrier, after the forward has read the rows), not when ``log_before_image``
+    hands it the rows; a step that fails before its barrier changed no row and logs nothing, and
+    its rows count as untouched in the window (the next step logs every one of them)."""
+    pool, t, s = _pool_with_table(tmp_pool_dir, "shm")
+    j = pool.journal
+    ck = UndoLogCheckpointer(pool, Dense(), inline=True, window=4)
+    ck.checkpoint_now(0)
+    rows = torch.tensor([1, 9, 30])
+    undo = lambda: [r for r in j.tail if r.type == RecordType.UNDO]  # noqa: E731 (this step's)
+    ck.begin_step(1)
+    ck.log_before_image([(t, rows), (s, rows)])
+    assert undo() == []                  # (handed over, not run)
+    ck.abort()                           # (the step failed before its barrier)
+    assert not any(r.type == RecordType.UNDO for txn in j.txns for r in txn.records)
+    ck.begin_step(1)
+    ck.log_before_image([(t, rows), (s, rows)])
+    assert undo() == []
+    ck.persist()
+    logged = undo()
+    assert logged and sum(r.length for r in logged) >= 3 * (t.config.row_bytes + s.config.row_bytes)
+    ck.update(lambda: t.write(rows, t.read(rows) + 1.0))
+    ck.commit(1)
+    ck.close()
+    pool.close()
+
+
 def _slow_writer_gathers(monkeypatch, seconds: float) -> None:
     """Make every copy of rows the journal writer thread does slow (the race windows certain).
     It copies them with ``RowGather.into``, straight to where a record is written or into a
