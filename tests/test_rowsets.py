@@ -29,6 +29,17 @@ def _need_c(fn):
         pytest.skip("memory_pool/_rowsets.c was not built (no C compiler at install)")
 
 
+@pytest.fixture(params=["c", "numpy"])
+def either(request, monkeypatch):
+    """Runs a test with the C functions, then with NumPy's definitions."""
+    if request.param == "c":
+        _need_c(_native.distinct_rows)
+        _need_c(_native.first_touch)
+    else:
+        monkeypatch.setenv("DLRM_CXL_NO_NATIVE", "1")
+    return request.param
+
+
 def test_the_c_distinct_rows_are_the_sorted_distinct_shifted_ids_batch_after_batch():
     _need_c(_native.distinct_rows)
     base = np.concatenate([[0], np.cumsum(SIZES)])
@@ -42,12 +53,7 @@ def test_the_c_distinct_rows_are_the_sorted_distinct_shifted_ids_batch_after_bat
     assert c(torch.zeros(0, dtype=torch.int64), np.zeros(len(SIZES), np.int64)).numel() == 0
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
-def test_an_id_outside_its_table_is_refused_by_name_and_the_next_batch_is_right(native, monkeypatch):
-    if native:
-        _need_c(_native.distinct_rows)
-    else:
-        monkeypatch.setenv("DLRM_CXL_NO_NATIVE", "1")
+def test_an_id_outside_its_table_is_refused_by_name_and_the_next_batch_is_right(either):
     base = np.concatenate([[0], np.cumsum(SIZES)])
     c = DistinctRows(base)
     lengths = np.array([1, 2, 1, 0, 0, 0, 0, 0])
@@ -86,12 +92,7 @@ def test_the_c_first_touch_keeps_the_unmarked_rows_in_order_and_marks_them():
     assert first_touch(fresh, np.zeros(11, bool)) is fresh   # (all new: no copy)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
-def test_a_first_touch_outside_the_map_is_refused_and_marks_nothing(native, monkeypatch):
-    if native:
-        _need_c(_native.first_touch)
-    else:
-        monkeypatch.setenv("DLRM_CXL_NO_NATIVE", "1")
+def test_a_first_touch_outside_the_map_is_refused_and_marks_nothing(either):
     seen = np.zeros(8, bool)
     with pytest.raises(ValueError, match="row 8 outside a map of 8 rows"):
         first_touch(np.array([1, 2, 8], dtype=np.int64), seen)
