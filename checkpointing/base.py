@@ -54,7 +54,7 @@ class Step:
 class CheckpointStats:
     steps: int = 0
     critical_seconds: float = 0.0      # main-thread time spent on checkpointing
-    log_wait_seconds: float = 0.0      # part of it: waiting for the undo log to be durable
+    log_wait_seconds: float = 0.0      # part of it: waiting for the undo log to be durable (inline: writing it)
     log_bytes: int = 0                 # undo-log payload made durable
     dense_bytes: int = 0               # dense snapshots made durable
     table_bytes_persisted: int = 0     # rows persisted at checkpoints

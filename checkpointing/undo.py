@@ -208,9 +208,9 @@ class UndoLogCheckpointer(Checkpointer):
         self.hit("before-log")
         cur.touched = touched if isinstance(touched, list) else list(touched)
         if self.log_undo:
-            # Nothing on the trainer's thread: the writer thread copies the rows' current values
-            # (the step's before-images), appends and syncs them while the forward runs. No
-            # row changes before persist() has waited for that.
+            # Nothing on the trainer's thread here: the writer thread copies the rows' current
+            # values (the step's before-images), appends and syncs them while the forward runs.
+            # No row changes before persist() has waited for that.
             cur.gathered = Future()
             job = (self._write_undo, cur, self._bufs[cur.k % 2])
             # An inline writer runs it at the write-ahead barrier instead (persist(), after the

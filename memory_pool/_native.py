@@ -68,12 +68,9 @@ def libpmem() -> LibPmem | None:
 
 def _load(stem: str, symbol: str, restype, argtypes: list, *, keep_gil: bool = False):
     """``symbol`` of this package's C library ``stem`` (built by ``setup.py`` beside its
-    source), or None when it was not built or ``DLRM_CXL_NO_NATIVE=1``. The call lets go of
-    the GIL (``ctypes.CDLL``) unless ``keep_gil`` (``ctypes.PyDLL``: for a call of tens of
-    microseconds on the trainer's thread, which would otherwise hand the GIL to the prefetch
-    thread and wait to get it back)."""
-    if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
-        return None
+    source), or None when it was not built. The call lets go of the GIL (``ctypes.CDLL``)
+    unless ``keep_gil`` (``ctypes.PyDLL``: for a call of tens of microseconds on the trainer's
+    thread, which would otherwise hand the GIL to the prefetch thread and wait to get it back)."""
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"{stem}{suffix}"
@@ -92,6 +89,7 @@ _loaded: dict = {}
 
 
 def _once(stem: str, symbol: str, restype, argtypes: list, *, keep_gil: bool = False):
+    """:func:`_load`, once per symbol; None whenever ``DLRM_CXL_NO_NATIVE=1``."""
     if os.environ.get("DLRM_CXL_NO_NATIVE") == "1":
         return None
     if symbol not in _loaded:
