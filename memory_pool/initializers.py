@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ._native import rowhash
-from .errors import InvalidConfigError
+from .validation import env_int
 
 __all__ = ["INIT_BLOCK_ROWS", "INIT_VERSION", "uniform_rows", "uniform_rows_numpy", "uniform_block", "uniform_chunks", "init_workers"]
 
@@ -48,12 +48,9 @@ _PIECE_FLOATS = 1 << 16    # floats generated and scaled at a time (256 KiB: in 
 def init_workers() -> int:
     """Threads a table's initialisation uses: the cores this process may run on, at most 8
     (``DLRM_CXL_INIT_THREADS`` overrides)."""
-    env = os.environ.get("DLRM_CXL_INIT_THREADS")
-    if env:
-        if not env.strip().isdigit() or int(env) < 1:
-            raise InvalidConfigError(f"DLRM_CXL_INIT_THREADS must be a whole number >= 1, got {env!r}",
-                                     hint="unset DLRM_CXL_INIT_THREADS to use every core, or give e.g. 2")
-        return int(env)
+    env = env_int("DLRM_CXL_INIT_THREADS", lo=1, hint="unset DLRM_CXL_INIT_THREADS to use every core, or give e.g. 2")
+    if env is not None:
+        return env
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)

@@ -43,6 +43,19 @@ def env_mib(name: str) -> int | None:
     return 0 if mib == 0 else max(1, int(mib * (1 << 20)))
 
 
+def env_int(name: str, *, lo: int, hi: int | None = None, hint: str) -> int | None:
+    """The whole number that environment variable ``name`` gives (``lo`` to ``hi``), or None
+    when it is unset or empty; anything else is an InvalidConfigError carrying ``hint``."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    ok = raw.strip().isdigit() and int(raw) >= lo and (hi is None or int(raw) <= hi)
+    if not ok:
+        what = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+        raise InvalidConfigError(f"{name} must be a whole number {what}, got {raw!r}", hint=hint)
+    return int(raw)
+
+
 def validate_journal_env() -> None:
     """Every journal size knob that is set is valid (InvalidConfigError otherwise): checked before
     a pool is created or trained, so that a bad value costs nothing."""

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Iterable
 
-from memory_pool.errors import InvalidConfigError
 from memory_pool.threads import lower_priority, one_intra_op_thread
 
-from memory_pool.validation import is_int
+from memory_pool.validation import env_int, is_int
 
 _ITEM, _END, _ERR = 0, 1, 2
 # The producing thread runs at this nice value (``$DLRM_CXL_PREFETCH_NICE`` overrides; 0: the
@@ -26,16 +24,11 @@ DEFAULT_NICE = 19
 
 
 def prefetch_nice() -> int:
-    """The producing thread's nice value: ``$DLRM_CXL_PREFETCH_NICE`` (0-19), else
-    :data:`DEFAULT_NICE`. Raises InvalidConfigError for anything else (before a thread starts)."""
-    raw = os.environ.get(NICE_ENV)
-    if raw is None:
-        return DEFAULT_NICE
-    if not raw.strip().isdigit() or int(raw) > 19:
-        raise InvalidConfigError(f"{NICE_ENV} must be a whole number from 0 to 19, got {raw!r}",
-                                 hint=f"unset {NICE_ENV} (the default is {DEFAULT_NICE}), or 0 to leave the "
-                                      f"prefetch thread at the process's priority")
-    return int(raw)
+    """The producing thread's nice value: ``$DLRM_CXL_PREFETCH_NICE`` (0-19; unset or empty:
+    :data:`DEFAULT_NICE`). Raises InvalidConfigError for anything else (before a thread starts)."""
+    nice = env_int(NICE_ENV, lo=0, hi=19, hint=f"unset {NICE_ENV} (the default is {DEFAULT_NICE}), or 0 to "
+                                               f"leave the prefetch thread at the process's priority")
+    return DEFAULT_NICE if nice is None else nice
 
 
 class Prefetcher:
