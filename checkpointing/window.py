@@ -44,7 +44,7 @@ class WindowRows:
         # (arrays of global rows, each sorted), and the layout that maps them back to pairs.
         self._gseen: np.ndarray | None = None
         self._gmarked: list[np.ndarray] = []
-        self._layout: tuple | None = None            # (base: np.ndarray, [(Table, member)])
+        self._layout: tuple | None = None            # (base: a tensor, [(Table, member)])
 
     def first_touch(self, touched) -> tuple[list, bool]:
         """Of ``touched`` (``[(Table, unique ids)]``), the rows this window touches for the first
@@ -60,7 +60,7 @@ class WindowRows:
 
     def _first_touch_global(self, touched, g) -> tuple[list, bool]:
         base = touched.base.numpy()
-        layout = (base, [(t, f) for (t, _), f in zip(touched, touched.member)])
+        layout = (touched.base, [(t, f) for (t, _), f in zip(touched, touched.member)])
         if self._layout is None or not _same_layout(self._layout, layout):
             if self._gmarked:
                 self._to_tables()
@@ -104,9 +104,9 @@ class WindowRows:
     def _global_pairs(self) -> list:
         base, members = self._layout
         a = self._gmarked[0] if len(self._gmarked) == 1 else np.sort(np.concatenate(self._gmarked))
-        rows = _split(a, base)
+        rows = _split(a, base.numpy())
         return TouchedRows([(t, rows[f]) for t, f in members], global_rows=torch.from_numpy(a),
-                           base=torch.from_numpy(base), member=[f for _, f in members])
+                           base=base, member=[f for _, f in members])
 
     def touched_rows(self) -> list:
         """Every row the window touched, once: ``[(Table, ids)]`` (journaled tiers: the rows whose
@@ -133,11 +133,13 @@ class WindowRows:
 
 
 def _split(rows: np.ndarray, base: np.ndarray) -> list[torch.Tensor]:
-    """Sorted rows in one numbering -> each member's own ids (views where possible)."""
+    """Sorted rows in one numbering -> each member's own ids (views of one array)."""
     cut = np.searchsorted(rows, base)
-    return [torch.from_numpy(rows[cut[f]:cut[f + 1]] - base[f]) for f in range(len(base) - 1)]
+    local = torch.from_numpy(rows - np.repeat(base[:-1], np.diff(cut)))  # (one subtraction, not one a member)
+    return [local[cut[f]:cut[f + 1]] for f in range(len(base) - 1)]
 
 
 def _same_layout(a: tuple, b: tuple) -> bool:
-    return np.array_equal(a[0], b[0]) and len(a[1]) == len(b[1]) and \
+    # (the plan hands the same base tensor every step: compared by identity first)
+    return (a[0] is b[0] or torch.equal(a[0], b[0])) and len(a[1]) == len(b[1]) and \
         all(ta is tb and fa == fb for (ta, fa), (tb, fb) in zip(a[1], b[1]))

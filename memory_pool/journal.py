@@ -120,7 +120,6 @@ KEEP_FREE = 16                            # reclaimed segments kept for reuse (1
 MAP_CHUNK = 8 << 20                       # mapped segments: allocated and faulted in this much at a time
 MAP_SLACK = 32 << 20                      # mapped segments are sized this much past segment_bytes: the
                                           # transaction that crosses it fits without a new mapping
-MADV_POPULATE_WRITE = 23                  # Linux >= 5.14 (not in Python's mmap module before 3.13)
 MARK_EVERY = 1 << 20                      # the mark moves after this many bytes of appends
 
 
@@ -441,10 +440,9 @@ class Journal(JournalReader):
                 fileio.fallocate(self._fd, lo, hi - lo)
             except OSError as exc:
                 raise_if_full(exc, f"growing journal segment {seg.path}")
-            try:
-                kept.mm.madvise(MADV_POPULATE_WRITE, lo, hi - lo)  # faulted in with one call
-            except (OSError, ValueError):
-                pass  # an older kernel: pages fault in on first touch instead
+            # Faulted in with one call, without holding the GIL (the prefetch thread runs on):
+            # fails on an older kernel, and the pages fault in on first touch instead.
+            fileio.populate_write(kept.view, lo, hi)
             kept.ready = hi
         with self._lock:
             self._maps[st.st_ino] = kept   # (most recently used last)
