@@ -384,3 +384,21 @@ def test_an_inline_journal_writer_trains_the_same_state_as_a_threaded_one(tmp_pa
         assert checkpoint_status(pool)["committed_step"] == 6
     for p in ("thread", "inline"):
         destroy_pool(tmp_path / p)
+
+
+def test_a_closed_trainer_gives_its_pool_back_to_a_collection_after_a_long_run(tmp_path):
+    # A run of more than 32 steps moves everything out of the cyclic GC's reach for its length
+    # (gc.freeze): once it is over, a closed trainer's pool must be collectable again.
+    import gc
+    import weakref
+
+    assert gc.get_freeze_count() == 0  # (else the run would not freeze, and this proves nothing)
+    tr = Trainer(TrainOptions(pool=str(tmp_path / "p"), steps=40, threads=1, progress=False), TINY,
+                 log=lambda s: None)
+    tr.run()
+    pool = weakref.ref(tr.pool)
+    tr.close()
+    del tr
+    gc.collect()
+    assert pool() is None
+    assert gc.get_freeze_count() == 0
