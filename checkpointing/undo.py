@@ -378,7 +378,7 @@ class UndoLogCheckpointer(Checkpointer):
             # Journaled tiers: the window's rows, each once, at its end. (One rank: the rows are
             # noted here, step by step; several ranks: the undo job noted them already.)
             if rows is not None:
-                self._first.first_touch(rows)
+                self._first.mark(rows)
             rows = self._first.touched_rows() if dense is not None else None
         try:
             if rows:

@@ -58,7 +58,18 @@ class WindowRows:
             self._to_tables()
         return self._first_touch_tables(touched)
 
-    def _first_touch_global(self, touched, g) -> tuple[list, bool]:
+    def mark(self, touched) -> None:
+        """:meth:`first_touch` without its answer: the rows only count as touched from now on
+        (a journaled tier's writer notes every step's rows; the window's end reads them all
+        back with :meth:`touched_rows`). In one numbering, no split into pairs (~0.3 ms a step
+        on `small`)."""
+        g = getattr(touched, "global_rows", None)
+        if g is not None and not self._marked:
+            self._first_touch_global(touched, g, answer=False)
+        else:
+            self.first_touch(touched)
+
+    def _first_touch_global(self, touched, g, *, answer: bool = True) -> tuple[list, bool] | None:
         base = touched.base.numpy()
         layout = (touched.base, [(t, f) for (t, _), f in zip(touched, touched.member)])
         if self._layout is None or not _same_layout(self._layout, layout):
@@ -69,6 +80,10 @@ class WindowRows:
             self._gseen = np.zeros(int(base[-1]), dtype=bool)
         a = g.numpy()
         new = first_touch(a, self._gseen)   # (and marked)
+        if not answer:
+            if new.size:
+                self._gmarked.append(new)
+            return None
         if new.size == a.size:
             if a.size:
                 self._gmarked.append(a)

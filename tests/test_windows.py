@@ -357,6 +357,26 @@ def test_first_touch_in_one_numbering_gives_the_same_rows_as_per_table():
     assert differed >= 6  # (later steps of a window touch fewer rows first: the check is not vacuous)
 
 
+def test_marking_a_windows_rows_keeps_the_same_rows_as_asking_for_their_first_touches():
+    """A journaled tier's writer only marks each step's rows (WindowRows.mark, no answer): the
+    window's rows at its end must be those the first-touch bookkeeping keeps, in either form."""
+    from checkpointing.window import WindowRows
+
+    ref, one, per_table = WindowRows(), WindowRows(), WindowRows()
+    steps = _steps_of_rows(2, [60, 5, 200], 9)
+    for k, (pairs, touched) in enumerate(steps):
+        ref.first_touch(pairs)
+        one.mark(touched)
+        per_table.mark(pairs)
+        want = _as_sets(ref.touched_rows())
+        assert _as_sets(one.touched_rows()) == want == _as_sets(per_table.touched_rows())
+        if k == 4:
+            for w in (ref, one, per_table):
+                w.reset()
+            assert not one.touched_rows()
+    assert want > _as_sets(steps[-1][0])  # (the window's 4 steps, not its last step's rows alone)
+
+
 def test_first_touch_moves_to_per_table_bitmaps_when_a_step_comes_without_one_numbering():
     from checkpointing.window import WindowRows
 
