@@ -350,7 +350,22 @@ def _log_first(sim: _Sim | None) -> None:
             sim.sync_log()
 
 
-_libc_sync_file_range = None
+_libc_fns: dict = {}
+
+
+def _libc(name: str, argtypes: tuple):
+    """libc's function ``name`` through ctypes (``CDLL``: a call lets go of the GIL), looked up
+    once; None where libc lacks it."""
+    if name not in _libc_fns:
+        import ctypes
+
+        try:
+            f = getattr(ctypes.CDLL(None, use_errno=True), name)
+            f.argtypes = argtypes
+            _libc_fns[name] = f
+        except (OSError, AttributeError):
+            _libc_fns[name] = None
+    return _libc_fns[name]
 
 
 def start_writeback(fd: int, off: int, length: int, *, wait: bool = False) -> None:
@@ -361,17 +376,10 @@ def start_writeback(fd: int, off: int, length: int, *, wait: bool = False) -> No
     load, so that the device writes the first pages while the next ones are produced, and the
     load's final sync waits for the tail only. ``wait``: also wait until those pages are written
     (``WAIT_BEFORE | WRITE | WAIT_AFTER``: clean, so that ``DONTNEED`` drops them at once)."""
-    global _libc_sync_file_range
-    if _libc_sync_file_range is None:
-        import ctypes
+    import ctypes
 
-        try:
-            f = ctypes.CDLL(None, use_errno=True).sync_file_range
-            f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-            _libc_sync_file_range = f
-        except (OSError, AttributeError):
-            _libc_sync_file_range = False
-    if _libc_sync_file_range and _libc_sync_file_range(fd, off, length, 7 if wait else 2) == 0:  # (WRITE: 2)
+    f = _libc("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint))
+    if f is not None and f(fd, off, length, 7 if wait else 2) == 0:  # (WRITE: 2)
         return
     try:
         os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
@@ -379,7 +387,6 @@ def start_writeback(fd: int, off: int, length: int, *, wait: bool = False) -> No
         pass
 
 
-_libc_madvise = None
 MADV_POPULATE_WRITE = 23   # Linux >= 5.14 (not in Python's mmap module before 3.13)
 
 
@@ -391,19 +398,12 @@ def populate_write(view: np.ndarray, lo: int, hi: int) -> bool:
     system is an error here, never a SIGBUS, but allocate first (:func:`fallocate`) to get
     ENOSPC. Returns False where it failed or the kernel lacks it (pages then fault in on first
     touch)."""
-    global _libc_madvise
-    if _libc_madvise is None:
-        import ctypes
+    import ctypes
 
-        try:
-            f = ctypes.CDLL(None, use_errno=True).madvise   # (CDLL: the call lets go of the GIL)
-            f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            _libc_madvise = f
-        except (OSError, AttributeError):
-            _libc_madvise = False
-    if not _libc_madvise or hi <= lo:
+    f = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    if f is None or hi <= lo:
         return False
-    return _libc_madvise(view.ctypes.data + lo, hi - lo, MADV_POPULATE_WRITE) == 0
+    return f(view.ctypes.data + lo, hi - lo, MADV_POPULATE_WRITE) == 0
 
 
 def fdatasync(fd: int) -> None:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["file_system", "flip", "journal_writer", "kill_writer_and_check_journal"]
+__all__ = ["file_system", "flip", "journal_writer", "kill_writer_and_check_journal", "need_native"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,3 +78,23 @@ def file_system(path) -> str:
     from memory_pool.fileio import mount_entry
     m = mount_entry(path)
     return m[1] if m is not None else ""
+
+
+def need_native(fn, source: str):
+    """Skip when the C function ``fn()`` (a ``memory_pool._native`` loader) is missing for a
+    real reason: no C compiler here (``setup.py`` builds the C files as optional extensions).
+    With a compiler present its build failed or was not run: a failure, not a skip."""
+    import os
+    import shutil
+    import sysconfig
+
+    import pytest
+
+    if fn() is not None:
+        return
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None and shutil.which("cc") is None:
+        pytest.skip(f"{source} was not built (no C compiler at install)")
+    pytest.fail(f"{source} is not loadable although a C compiler ({cc}) is here"
+                f"{' (DLRM_CXL_NO_NATIVE=1 is set)' if os.environ.get('DLRM_CXL_NO_NATIVE') == '1' else ''}: "
+                f"rebuild with `pip install -e . --no-deps --no-build-isolation` and read its output")

@@ -45,6 +45,7 @@ from memory_pool import (
     destroy_pool,
     read_header,
 )
+from helpers import need_native
 from memory_pool._native import libpmem
 from memory_pool.initializers import INIT_BLOCK_ROWS
 from memory_pool.tiers import shm_root
@@ -501,8 +502,7 @@ def test_the_c_row_hash_gives_the_numpy_definitions_bits_and_writes_rows_where_i
     from memory_pool._native import rowhash
     from memory_pool.initializers import uniform_rows, uniform_rows_numpy
 
-    if rowhash() is None:
-        pytest.skip("memory_pool/_rowhash.c was not built (no C compiler at install)")
+    need_native(rowhash, "memory_pool/_rowhash.c")
     rng = np.random.default_rng(5)
     for seed in (0, 3, -3, 2 ** 63 + 5, 12_345_678_901_234_567):
         for dim in (1, 3, 8, 17, 64, 128):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import need_native
 from memory_pool import DistinctRows, _native, distinct_sorted, first_touch
 from memory_pool.rowsets import first_touch_numpy
 
@@ -25,8 +26,7 @@ def _batches(rng, base, n=12):
 
 
 def _need_c(fn):
-    if fn() is None:
-        pytest.skip("memory_pool/_rowsets.c was not built (no C compiler at install)")
+    need_native(fn, "memory_pool/_rowsets.c")
 
 
 @pytest.fixture(params=["c", "numpy"])
