@@ -61,6 +61,38 @@ def test_torture_quick_reports_mid_run_rollbacks_on_every_tier():
     assert "DIVERGED" not in out and "MISMATCH" not in out, out
 
 
+def _torture_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dlrm_cxl_torture_counts", REPO / "tools" / "torture.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclasses look their module up while it loads)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_kill_before_a_resumed_runs_first_step_is_checked_but_not_counted_as_a_trial():
+    t = _torture_module()
+
+    def kill(start, completed, lost=(), after_end=False):
+        return t.Kill("shm", 1, 0.02, -9, start_step=start, completed=completed, after_end=after_end,
+                      lost_steps=list(lost), bit_exact=True)
+
+    early = kill(28, 28)                       # banner of a run resumed at 28, no step seen, nothing lost
+    mid = kill(28, 31, lost=[32])              # three steps in: step 32 rolled back
+    first_step_lost = kill(28, 28, lost=[29])  # its first step in flight, and rolled back: a trial
+    end = kill(0, 40, after_end=True)
+    assert early.before_first_step and not mid.before_first_step and not first_step_lost.before_first_step
+    assert not end.before_first_step  # (counted as after the end, not twice)
+    r = t.TierResult("shm", 2, kills=[early, mid, first_step_lost, end])
+    assert r.trials == [mid, first_step_lost]
+    c = r.counts()
+    assert (c["trials"], c["rolled_back"], c["after_end"], c["before_first_step"]) == (2, 2, 1, 1)
+    line = t.summary_line("shm", c)
+    m = FINAL_RE.match(line)
+    assert m and m["trials"] == "2" and m["pct"] == "100%" and m["after"] == "1", line
+    assert "1 before the run's first step (not counted)" in m["rest"], line
+
+
 def test_torture_with_small_segments_is_bit_exact_through_write_backs_and_the_applied_mark():
     """64 KiB journal segments, each written back into the images as it is sealed, a compaction
     every 256 KiB: on pmem the kills land between write-backs, during them and during

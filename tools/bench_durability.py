@@ -151,6 +151,7 @@ def checkpointer_cost(preset: str, tier: str, steps: int, workdir: Path, warmup:
                 "wall_ms": (t1 - t0) / steps * 1e3, "durable_bytes": durable, "row_bytes": rows, "steps_run": k,
                 "compactions": ps.compactions, "compact_s": ps.compact_seconds, "compact_cpu_s": ps.compact_cpu_seconds}
     finally:
+        gc.unfreeze()  # (the next tier's trainer, built in this process, frees this one's memory)
         tr.close()
         destroy_pool(pool)
 

@@ -157,6 +157,7 @@ def run_pool(name: str, cfg, *, tier: str, budget: int | None, checkpoint: str, 
         out.update(tier=tier, budget_bytes=budget, durability=t.pool.durability, checkpoint=checkpoint)
         return out
     finally:
+        gc.unfreeze()  # (as Trainer.run: the next variant in this process gets this one's memory back)
         t.close()
         destroy_pool(pool)
 

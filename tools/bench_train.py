@@ -307,22 +307,27 @@ def interleave(variants: list, *, warmup: int, steps: int, rounds: int, batch_si
             v.steps(warmup)
     # As Trainer.run does: what is built by now lives as long as the run, out of the cyclic GC's
     # reach (a full collection of it costs ~200 ms, in whichever window it falls).
+    # Thawed at the end, as Trainer.run thaws: a caller that goes on (a test, a second
+    # benchmark in the same process) gets the variants' memory back once it drops them.
     gc.collect()
     gc.freeze()
-    out: dict[str, list[float]] = {v.name: [] for v in variants}
-    for r in range(rounds):
-        order = variants[r % len(variants):] + variants[:r % len(variants)]
-        parts = []
-        for v in order:
-            before = _snap(v)
-            t_steps, t_drain = v.steps(steps)
-            dt = t_steps + t_drain
-            out[v.name].append(steps * batch_size / dt)
-            v.drain_seconds.append(t_drain)
-            if on_window is not None:
-                on_window(v, before, _snap(v), steps, dt)
-            parts.append(f"{v.name} {out[v.name][-1]:,.0f}")
-        log(f"  round {r + 1}/{rounds}: " + " | ".join(parts))
+    try:
+        out: dict[str, list[float]] = {v.name: [] for v in variants}
+        for r in range(rounds):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            parts = []
+            for v in order:
+                before = _snap(v)
+                t_steps, t_drain = v.steps(steps)
+                dt = t_steps + t_drain
+                out[v.name].append(steps * batch_size / dt)
+                v.drain_seconds.append(t_drain)
+                if on_window is not None:
+                    on_window(v, before, _snap(v), steps, dt)
+                parts.append(f"{v.name} {out[v.name][-1]:,.0f}")
+            log(f"  round {r + 1}/{rounds}: " + " | ".join(parts))
+    finally:
+        gc.unfreeze()
     return out
 
 

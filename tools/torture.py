@@ -55,6 +55,10 @@ it had *completed* when it died (a lower bound: the bar is written right after a
 * **after end** (counted separately, not a trial): the trainer had exited before the kill, had
   printed its summary, or had completed all its steps (killed during shutdown). These kills are
   still recovered and checked bit-exact (a mismatch is a divergence), then the pool starts over.
+* **before the run's first step** (counted separately, not a trial): the run printed its banner
+  but its progress bar never passed the banner's step, and nothing was rolled back: the kill
+  landed in a resumed run's start-up or replay, or in its first step's preparation. These kills
+  are recovered and checked bit-exact too, and the next kill continues from the recovered step.
 * **rolled back**: the steps the kill undid. The trainer was executing step ``reached =
   completed + 1`` when it died (the loop goes from one step straight to the next; when it had not
   completed a step of this run yet, it may still have been preparing the first one, and then
@@ -71,7 +75,7 @@ it had *completed* when it died (a lower bound: the bar is written right after a
 
 Output: one line per kill, one summary line per tier, and a final line such as
 ``torture: 200 trials, 200 bit-exact, 0 diverged, 187 rolled back >= 1 step (93%), 12 after end
-(not counted)``. Exit status: 0 when there is no divergence, every tier reached its trials, and
+(not counted), 9 before the run's first step (not counted)``. Exit status: 0 when there is no divergence, every tier reached its trials, and
 the rolled-back fraction is at least ``--min-rolled-back`` (``--quick``: at least one trial rolled
 back a step); 1 otherwise; 2 when a reference is not reproducible.
 
@@ -561,6 +565,17 @@ class Kill:
     def rolled_back(self) -> int:
         return len(self.lost_steps)
 
+    @property
+    def before_first_step(self) -> bool:
+        """Killed after the run's banner but before it was seen completing a step (its progress
+        bar still at the banner's step), with nothing rolled back: a resumed run's start-up, its
+        replay, or its first step's preparation. Recovered and checked like any kill, but not a
+        mid-run trial (it proves less; with ``--threads 2`` a short resumed run's start-up was
+        ~30 % of the kill range, and the rolled-back fraction fell below its bar on runs that were
+        all bit-exact)."""
+        return (not self.after_end and self.start_step is not None and self.completed == self.start_step
+                and not self.lost_steps)
+
 
 @dataclass
 class TierResult:
@@ -574,11 +589,15 @@ class TierResult:
 
     @property
     def trials(self) -> list:
-        return [k for k in self.kills if not k.after_end]
+        return [k for k in self.kills if not k.after_end and not k.before_first_step]
 
     @property
     def after_end(self) -> list:
         return [k for k in self.kills if k.after_end]
+
+    @property
+    def before_first_step(self) -> list:
+        return [k for k in self.kills if k.before_first_step]
 
     @property
     def diverged(self) -> int:
@@ -591,7 +610,7 @@ class TierResult:
                 "rows_restored": sum(k.rows_restored > 0 for k in t),
                 "recovery_rolled_back": sum(bool(k.rolled_back_steps) for k in t),
                 "rolled_back_hist": dict(sorted(Counter(k.rolled_back for k in t).items())),
-                "after_end": len(self.after_end)}
+                "after_end": len(self.after_end), "before_first_step": len(self.before_first_step)}
 
 
 def _pct(a: int, b: int) -> str:
@@ -601,7 +620,8 @@ def _pct(a: int, b: int) -> str:
 def summary_line(label: str, c: dict) -> str:
     return (f"{label}: {c['trials']} trials, {c['bit_exact']} bit-exact, {c['diverged']} diverged, "
             f"{c['rolled_back']} rolled back >= 1 step ({_pct(c['rolled_back'], c['trials'])}), "
-            f"{c['after_end']} after end (not counted)")
+            f"{c['after_end']} after end (not counted), {c.get('before_first_step', 0)} before the run's first "
+            f"step (not counted)")
 
 
 def _flags(*, tier: str, preset: str, seed: int, window: int | None, threads: int,
@@ -703,7 +723,9 @@ def torture_tier(runner: Cli, *, trials: int, steps: int, tier: str, preset: str
         rate = bar_step_seconds(run.stderr)
         if rate:
             rates.append(rate)
-        what = "after end (not counted)" if kill.after_end else f"trial {len(res.trials)}/{trials}"
+        what = ("after end (not counted)" if kill.after_end else
+                "before the run's first step (not counted)" if kill.before_first_step else
+                f"trial {len(res.trials)}/{trials}")
         log(f"[{tier}] {what}: killed +{delay * 1e3:.0f} ms after the banner (~{step_s * 1e3:.1f} ms/step), run "
             f"from step {kill.start_step}, {kill.completed} completed; recovered to step {kill.committed} (report: rolled back "
             f"{kill.rolled_back_steps}, {kill.rows_restored} rows restored); rolled back {kill.rolled_back} "
@@ -852,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'bit-exact' if r.final_ok else 'MISMATCH' if r.final_ok is False else '-'}; {r.seconds:.0f} s")
     total = {k: sum(r.counts()[k] for r in results)
              for k in ("trials", "bit_exact", "diverged", "rolled_back", "rows_restored", "recovery_rolled_back",
-                       "after_end")}
+                       "after_end", "before_first_step")}
     hist = Counter()
     for r in results:
         hist.update(r.counts()["rolled_back_hist"])
