@@ -5,8 +5,8 @@ the steps. On this 2-core machine it took one of the two cores from a step's two
 and the other thread then waited at each op's barrier for the one preempted: `kaggle` behind a
 2.2 GB cache ran its steps during a compaction at 150-600 ms instead of ~80 (6.2-6.5 s of such
 steps in 600). With the step on one thread while a compaction runs, those steps took 0.7-1.0 s
-in all, and 600 steps ran at 24,170 and 22,120 samples/s against 21,804 and 21,461 (README,
-"Tables larger than DRAM"). (Running the compactor at ``SCHED_IDLE`` instead starved it.)
+in all, and 600 steps ran at 24,170 and 22,120 samples/s against 21,804 and 21,461
+(docs/tiering-measurements.md). (Running the compactor at ``SCHED_IDLE`` instead starved it.)
 
 Only where it changes no result: a step must be bit-identical whatever the thread count, or a
 replay after a crash -- whose steps meet compactions at other times -- would not reproduce its

@@ -7,7 +7,7 @@ batch's plan also reads its missing rows from their home into the cache, sorted,
 that no running or planned batch needs (Bagpipe's rule; memory_pool/cache_arena.py). So K
 planned batches are K batches of lookahead (plus the one the thread is making).
 
-:data:`DEFAULT_PREFETCH_BATCHES` was picked by measurement (README, "Tables larger than DRAM").
+:data:`DEFAULT_PREFETCH_BATCHES` was picked by measurement (docs/tiering-measurements.md).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class WorkingCopyBound:
     the arena plus those pages stay within the budget plus one recovery window's pages (the
     stated slack: a trim waits for a recovery point) plus the pages the kernel has not written
     back yet (dirty, not droppable until written: the next trim drops them). The journal's own
-    page cache is reported beside it (README, "Tables larger than DRAM").
+    page cache is reported beside it (docs/tiering-measurements.md).
 
     Only with ``--checkpoint undo``: without a journal the working copy's changes are nowhere
     else. The pool keeps a row overlay behind the cache (``MemoryPool.bound_working_copy``):

@@ -72,8 +72,7 @@ class CacheArenaConfig:
         quarter budget the proportional split left the mid-sized tables (3-290 k rows) a
         quarter to two thirds of their rows: they evicted rows they had trained, read them back
         (~1,050 rows a step of ~4,300 misses) and kept the trims coming (their slots dirty),
-        while the 10 M-row tables had used 6 % of their slots after 200 steps (README, "Tables
-        larger than DRAM")."""
+        while the 10 M-row tables had used 6 % of their slots after 200 steps (docs/tiering-measurements.md)."""
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise InvalidConfigError(f"the DRAM budget must be an int >= 0 bytes, got {budget_bytes!r}")
         if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:

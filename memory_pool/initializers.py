@@ -12,7 +12,7 @@ header: ``MemoryPool.create_table``). Two things follow:
   cache in front of a table larger than DRAM makes a missed row that is still at its initial
   value from the hash, in microseconds, instead of reading its page from the device
   (``memory_pool/fresh.py``). On `kaggle` most misses of a run's first hundreds of steps are such
-  rows (README, "Tables larger than DRAM").
+  rows (docs/tiering-measurements.md).
 
 The hash: a 64-bit per-row key ``k = fmix64(fmix64(seed ^ C) + row * G)`` (splitmix64's
 finaliser), then for column ``j`` the 32-bit ``z = fmix32(hi32(k) + j * G32)`` (murmur3's

@@ -413,7 +413,7 @@ class JournalReader:
         is left (the pages a mapping still maps stay). A journal written with direct writes has
         its pages cached only because a reader read them (and the read-around of the mapping's
         faults), and they stayed against the pool's DRAM budget: 1.1 GB of `kaggle`'s journal
-        after 270 steps behind a 2.2 GB budget (README, "Tables larger than DRAM"). A mapped
+        after 270 steps behind a 2.2 GB budget (docs/tiering-measurements.md). A mapped
         journal (in RAM) keeps its pages: they are the journal."""
         if self.mapped:
             return

@@ -138,7 +138,7 @@ class PeakMemory:
     """The most DRAM a pool's trainer uses while it trains (``--peak-every``): ``RssAnon`` plus the
     pool files' page cache (``mincore``, ~0.1 s for `kaggle`'s 10 GB of files), sampled every
     ``every`` seconds on a thread of its own. The end-of-run figure misses what a write-back pass
-    or a compaction holds for a while (README, "Tables larger than DRAM")."""
+    or a compaction holds for a while (docs/tiering-measurements.md)."""
 
     def __init__(self, pool, every: float):
         import threading

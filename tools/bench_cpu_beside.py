@@ -11,7 +11,7 @@ with 0 ms.
 Why: on a machine with as many cores as the step has intra-op threads (2 here), the step's ops
 meet at a barrier after each one, and a thread that takes a core stalls both. The DRAM cache's
 prefetch thread, the step's own ``begin``/``end`` and the compactor are such threads: this
-measures the price of their CPU (README, "Tables larger than DRAM", eighth session).
+measures the price of their CPU (docs/tiering-measurements.md, eighth session).
 
 Usage::
 

@@ -17,7 +17,7 @@ _ITEM, _END, _ERR = 0, 1, 2
 # ~10 ms a batch on `kaggle` -- took a core from the step's two-thread ops, whose other thread
 # then waited at their barriers: a cached `kaggle` step's dense forward spent 5.5 ms a step
 # off the CPU. At nice 19 it runs when a step's thread is not runnable (a GIL wait, a serial
-# stretch), and the step's median time fell by ~3 ms (README, "Tables larger than DRAM").
+# stretch), and the step's median time fell by ~3 ms (docs/tiering-measurements.md).
 # It cannot starve the steps: a step waiting for its plan leaves a core to it.
 NICE_ENV = "DLRM_CXL_PREFETCH_NICE"
 DEFAULT_NICE = 19
