@@ -297,6 +297,38 @@ def test_rows_updated_then_evicted_are_read_back_updated_and_pool_writes_refresh
     pool.close()
 
 
+@pytest.mark.parametrize("tier,write_back", [("shm", False), ("pmem", True)])
+def test_the_checkpointers_gathers_read_a_write_through_caches_home_grouped_and_a_write_back_cache_through_it(
+        tmp_path, tier, write_back):
+    """Write-through (a direct tier): the home holds every row's current value, so the tables
+    behind the cache join their row size's group, one gather over the pool's arena, and read the
+    same bytes as each table's own view. Write-back (a journaled tier): a slot may be newer than
+    its home, so each table is read through its cache, and a changed slot's value is what it
+    reads."""
+    pool, members = two_tables(tmp_path / "p", tier=tier)
+    arena = arena_for(members, (3, 3), write_back=write_back)
+    for ms, gi in zip(members, (0, 1)):
+        for m, t in enumerate(ms):
+            t.use_cache(arena.member(gi, m))
+    rows = [torch.tensor([2, 7, 9]), torch.tensor([0, 4])]
+    seq, slots = arena.begin(rows, torch.cat(rows), [3, 2])
+    arena.flat[0].view(-1, 4)[slots] += 1.0          # the fused update, in the slots
+    arena.end(rows, seq)
+    pairs = [(members[0][0], rows[0]), (members[1][0], rows[1]), (members[0][1], rows[0]), (members[1][1], rows[1])]
+    gathers = pool.row_gathers(pairs)
+    if write_back:
+        assert [g.idx for g in gathers] == [[0], [1], [2], [3]] and all(g.read is not None for g in gathers)
+    else:
+        assert sorted(g.idx for g in gathers) == [[0, 1], [2, 3]] and all(g.grouped for g in gathers)
+    got = pool.rows_per_pair(pairs, pool.copy_row_gathers(gathers))
+    for (t, ids), g in zip(pairs, got):
+        current = t.current_rows(ids)   # (through the cache where it holds newer rows, else the home)
+        assert torch.equal(g.reshape(current.shape), current), t.name
+    changed = arena.flat[0].view(-1, 4)[slots[:3]]
+    assert torch.equal(got[0], changed)               # the update is what either reads
+    pool.close()
+
+
 def test_a_write_back_arena_keeps_a_steps_rows_in_their_slots_and_every_reader_sees_them(tmp_path):
     """Write-back (journaled tiers): a step's rows stay in their slots, dirty -- the home (the
     working copy) is not written -- yet the checkpointer's gathers, ``persist``, reads and
