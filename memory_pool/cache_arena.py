@@ -92,7 +92,6 @@ arithmetic). A budget too small for one batch of the model is refused before tra
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -159,7 +158,7 @@ class CacheArena(WriteBackSlots):
         self._advise = advise
         self._fresh = list(fresh) if fresh is not None else [None] * len(cfg.groups)
         self.write_back = bool(write_back)
-        self._lock = threading.RLock()
+        self._init_ends()   # (the lock: WriteBackSlots)
         M = cfg.members
         self.offsets: list[list[int]] = [[0] * len(cfg.groups) for _ in range(M)]
         totals = [0] * M
@@ -208,9 +207,8 @@ class CacheArena(WriteBackSlots):
         self._row_base = torch.tensor(base, dtype=torch.int64)
         self._slot_base = torch.tensor(sbase, dtype=torch.int64)
         self._whole = self._layout_whole()
-        self._next_seq = 0
+        self._next_seq, self._running = 0, None
         self._floor = 0          # slots stamped below this are needed by no running or planned batch
-        self._running: int | None = None
         # Planned batches whose every row the prefetch made resident (begin then only translates
         # their ids), with the rows list it was given (begin checks that it gets the same one),
         # and a count of the steals and invalidations that may have taken one of their slots
@@ -322,6 +320,15 @@ class CacheArena(WriteBackSlots):
                     hint=f"raise --dram-cache to at least "
                          f"{budget_size(CacheArenaConfig.min_budget([(x.name, x.rows, x.dims) for x in self.cfg.groups], ids.numel()))}"
                          f" (or lower --batch-size)")
+        done = self._complete.get(seq) if seq is not None else None
+        if done is not None and done[0] is rows and done[1] is values and done[2] is not None:
+            # Resident, stamped ``seq`` and translated by the prefetch: no lock to wait for. Only
+            # this thread (a step's steal, an invalidation) evicts a planned batch's slot, and a
+            # lagging floor protects more; the next holder of the lock settles the rest.
+            self._ended_step(seq, None, began=flat.numel() if flat is not None else sum(i.numel() for i in rows))
+            self._end_slots = (seq, done[2][1])
+            self.stats.wait_seconds += time.perf_counter() - t0
+            return seq, done[2][0]
         # (one intra-op thread: these small copies run while the prefetch thread holds a core;
         # a team of two waits for its preempted member: memory_pool.threads.intra_op_threads)
         with self._lock, intra_op_threads(1):
@@ -374,25 +381,18 @@ class CacheArena(WriteBackSlots):
         slots may be evicted."""
         t0 = time.perf_counter()
         n = 0
+        gslot = None
         if self.write_back:
             # (the slots begin or the prefetch found: stamped ``seq``, kept until the floor passes)
-            es, gslot = self._end_slots if self._end_slots is not None else (None, None)
-            with self._lock, intra_op_threads(1):   # (small ops: as in begin)
-                if es != seq or gslot is None:
+            es, gslot = self._end_slots or (None, None)
+            if es != seq or gslot is None:
+                with self._lock, intra_op_threads(1):
                     gslot = self._gslots(rows, flat)
-                if gslot.numel():
-                    new = torch.masked_select(gslot, ~self._dirty.index_select(0, gslot))
-                    self._dirty.index_fill_(0, new, True)
-                    per = torch.bincount(torch.searchsorted(self._slot_base, new, right=True) - 1,
-                                         minlength=len(self.groups)).tolist()
-                    self._ndirty = [a + b for a, b in zip(self._ndirty, per)]
         else:
             # (on torch's threads: scattered stores into the home, latency-bound, gain from two)
             n = self._write_through(rows, flat)
-        with self._lock:
-            if self._running == seq:
-                self._running = None
-                self._floor = seq + 1
+        # The dirty marks and the floor: settled by the next holder of the lock, not waited for.
+        self._ended_step(seq, gslot)
         self.stats.bytes_written_home += n
         self.stats.write_seconds += time.perf_counter() - t0
 
@@ -578,7 +578,8 @@ class CacheArena(WriteBackSlots):
     @property
     def dirty_slots(self) -> int:
         """Slots newer than their home, every group (0 in a write-through arena)."""
-        return sum(self._ndirty)
+        with self._lock:   # (the steps ended since, settled)
+            return sum(self._ndirty)
 
     @property
     def dirty_fraction(self) -> float:

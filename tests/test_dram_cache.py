@@ -220,7 +220,8 @@ def test_ids_given_to_the_prefetch_are_translated_there_and_again_at_begin_after
     g = arena.groups[0]
     assert torch.equal(g.slot_row[slots], late_ids) and torch.equal(g.slots[0][slots], members[0][0].view()[late_ids])
     arena.end(late, s2)
-    assert bool(g.dirty[slots].all())
+    with arena.lock:   # (a step's end is settled by the next holder of the lock: every reader takes it)
+        assert bool(g.dirty[slots].all())
     pool.close()
 
 
@@ -326,6 +327,68 @@ def test_the_checkpointers_gathers_read_a_write_through_caches_home_grouped_and_
         assert torch.equal(g.reshape(current.shape), current), t.name
     changed = arena.flat[0].view(-1, 4)[slots[:3]]
     assert torch.equal(got[0], changed)               # the update is what either reads
+    pool.close()
+
+
+@pytest.mark.parametrize("write_back", [True, False])
+def test_a_steps_end_does_not_wait_for_the_lock_and_is_settled_before_the_next_holder_reads(tmp_path, write_back):
+    """The prefetch thread holds the arena's lock while it admits rows; a step's end hands its
+    dirty marks and the floor over instead of waiting for it, and the next holder of the lock
+    settles them before it reads a mark or takes a slot."""
+    import threading
+    pool, members = two_tables(tmp_path / "p", tier="pmem" if write_back else "shm")
+    arena = arena_for(members, (4, 4), write_back=write_back)
+    rows = [torch.tensor([1, 3, 5]), torch.tensor([2])]
+    seq, slots = arena.begin(rows, torch.cat(rows), [3, 1])
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with arena.lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(30)
+        ended = threading.Thread(target=arena.end, args=(rows, seq))
+        ended.start()
+        ended.join(10)
+        assert not ended.is_alive(), "the step's end waited for the lock"
+    finally:
+        release.set()
+        t.join(30)
+    assert arena.dirty_slots == (4 if write_back else 0)   # (settled by this read's lock)
+    with arena.lock:
+        assert bool(arena.groups[0].dirty[slots[:3]].all()) == write_back
+    # Its slots are free to take now: a batch of other rows fills the cache past them.
+    later = [torch.tensor([0, 6, 7, 8]), torch.tensor([0, 1, 3, 4])]
+    seq2, _ = arena.begin(later, torch.cat(later), [4, 4])
+    assert arena.stats.evictions == 4 and arena.stats.dirty_evictions == (4 if write_back else 0)
+    arena.end(later, seq2)
+    # A batch the prefetch made resident whole, its ids translated, begins without the lock too.
+    ahead = [torch.tensor([6, 7]), torch.tensor([1])]
+    ids = torch.cat(ahead)
+    seq3 = arena.prefetch(ahead, None, ids, [2, 1])
+    held.clear(), release.clear()
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(30)
+        began = []
+        b = threading.Thread(target=lambda: began.append(arena.begin(ahead, ids, [2, 1], seq=seq3)))
+        b.start()
+        b.join(10)
+        assert not b.is_alive() and began[0][0] == seq3, "the step's begin waited for the lock"
+    finally:
+        release.set()
+        t.join(30)
+    arena.end(ahead, seq3)
+    g = arena.groups[0]
+    with arena.lock:
+        assert torch.equal(g.slot_row[began[0][1][:2]], ahead[0])   # its slots hold its rows
+    st = arena.stats   # (the lock-free begin's counts settled too: all 3 of its rows hits)
+    assert (st.steps, st.rows_needed, st.hits, st.misses) == (3, 4 + 8 + 3, 3, 4 + 8)
     pool.close()
 
 
