@@ -44,7 +44,7 @@ def cache_report(model, pool, bound=None) -> dict:
     if bags is not None:
         arena = bags.arena
         arena_bytes = arena.nbytes
-        cache = {**arena.stats.as_dict(), "budget_bytes": arena.cfg.budget_bytes, "arena_bytes": arena.nbytes,
+        cache = {**arena.settled_stats(), "budget_bytes": arena.cfg.budget_bytes, "arena_bytes": arena.nbytes,
                  "slots": sum(g.slots for g in arena.cfg.groups), "rows": sum(g.rows for g in arena.cfg.groups)}
     memory = pool_memory(pool, budget_bytes=pool.dram_cache_bytes, cache_bytes=arena_bytes)
     if bound is not None:  # (a journaled pool's working copy given back: WorkingCopyBound)

@@ -16,9 +16,9 @@ __all__ = ["WriteBackSlots", "SettlingLock"]
 
 
 class SettlingLock:
-    """The arena's lock (reentrant). Whoever takes it first settles the steps that ended since
-    (``settle()``, with the lock held): a step's end hands its bookkeeping over instead of
-    waiting for the lock. The prefetch thread, at nice 19, holds the lock while it admits a
+    """The arena's lock (reentrant). Whoever takes it first settles the steps that began or ended
+    since (``settle()``, with the lock held): they hand their bookkeeping over instead of waiting
+    for the lock. The prefetch thread, at nice 19, holds the lock while it admits a
     group's rows, and the step's thread waited for it ~1.8 ms a step at each end on `kaggle`
     behind a quarter cache (emulated pmem, `tools/profile_overhead.py`)."""
 
@@ -68,6 +68,12 @@ class WriteBackSlots:
         reads the dirty marks or takes a slot. Until then an ended batch counts as running: its
         slots are taken by nobody, so none of them can be evicted unmarked. (No lock: an append.)"""
         self._ended.append((seq, gslot, began))
+
+    def settled_stats(self) -> dict:
+        """``stats.as_dict()``, the steps begun and ended since the lock was last taken counted
+        (what a report reads: ``dlrm_cxl.lookahead``, the benchmarks)."""
+        with self._lock:
+            return self.stats.as_dict()
 
     def _settle_ended(self) -> None:
         """(The lock held.) The steps begun and ended, in order: a begin's floor, pruning and

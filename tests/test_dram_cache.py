@@ -384,11 +384,11 @@ def test_a_steps_end_does_not_wait_for_the_lock_and_is_settled_before_the_next_h
         release.set()
         t.join(30)
     arena.end(ahead, seq3)
+    st = arena.settled_stats()   # (what a report reads: the lock-free begin counted, its 3 rows hits)
+    assert (st["steps"], st["rows_needed"], st["hits"], st["misses"]) == (3, 4 + 8 + 3, 3, 4 + 8)
     g = arena.groups[0]
     with arena.lock:
         assert torch.equal(g.slot_row[began[0][1][:2]], ahead[0])   # its slots hold its rows
-    st = arena.stats   # (the lock-free begin's counts settled too: all 3 of its rows hits)
-    assert (st.steps, st.rows_needed, st.hits, st.misses) == (3, 4 + 8 + 3, 3, 4 + 8)
     pool.close()
 
 

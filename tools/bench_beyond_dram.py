@@ -193,7 +193,7 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
             for k in range(1, warmup + steps + 1):
                 if k == warmup + 1:
                     t.ckpt.drain()
-                    st0 = dict(arena.stats.as_dict()) if arena is not None else None
+                    st0 = dict(arena.settled_stats()) if arena is not None else None
                     io0 = io_read_bytes()
                     w0 = time.perf_counter()
                 batch, pos, plan = next(batches)
@@ -217,7 +217,7 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                # (dlrm_cxl/cores.py: off where the model's dense layers are not bit-identical on one thread fewer)
                "core_yield": bool(t.cores is not None and t.cores.enabled)}
         if arena is not None:
-            st1 = arena.stats.as_dict()
+            st1 = arena.settled_stats()
             d = {k: st1[k] - st0[k] for k in ("rows_needed", "hits", "misses", "rows_prefetched", "bytes_read_home",
                                              "wait_seconds", "evictions", "dirty_evictions", "rows_created")}
             out["cache"] = {**d, "hit_rate": d["hits"] / max(d["rows_needed"], 1),
