@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import threading
 import zipfile
 
 import pytest
@@ -335,7 +336,6 @@ def test_a_steps_end_does_not_wait_for_the_lock_and_is_settled_before_the_next_h
     """The prefetch thread holds the arena's lock while it admits rows; a step's end hands its
     dirty marks and the floor over instead of waiting for it, and the next holder of the lock
     settles them before it reads a mark or takes a slot."""
-    import threading
     pool, members = two_tables(tmp_path / "p", tier="pmem" if write_back else "shm")
     arena = arena_for(members, (4, 4), write_back=write_back)
     rows = [torch.tensor([1, 3, 5]), torch.tensor([2])]
