@@ -58,12 +58,9 @@ def _gc_shm_regions(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cli():
     """Runs the CLI in real processes forked from one warm interpreter (tools/torture.py)."""
-    import importlib.util
+    from helpers import tool
 
-    spec = importlib.util.spec_from_file_location("dlrm_cxl_torture_cli", Path(__file__).parents[1] / "tools" / "torture.py")
-    torture = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(torture)
-    c = torture.Cli()
+    c = tool("torture").Cli()
     yield c
     c.close()
 

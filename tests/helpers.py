@@ -9,9 +9,27 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["file_system", "flip", "journal_writer", "kill_writer_and_check_journal", "need_native"]
+__all__ = ["file_system", "flip", "journal_writer", "kill_writer_and_check_journal", "need_native", "tool"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def tool(name: str):
+    """``tools/<name>.py`` as a module (the tools are scripts, not installed), loaded once and
+    shared by every test module that uses it."""
+    import importlib.util
+
+    key = f"dlrm_cxl_tool_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, REPO / "tools" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod  # (its dataclasses look their module up while it loads)
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return sys.modules[key]
 
 
 def flip(path: Path, offset: int, mask: int = 0x10) -> None:

@@ -11,7 +11,6 @@ runs that need an environment variable use fresh processes.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -32,7 +31,7 @@ import checkpointing
 from checkpointing import Step, UndoLogCheckpointer, checkpoint_status, committed_state, recover, state_digest
 from checkpointing.store import DensePacker, commit_doc, is_commit, unpack_dense
 from dlrm_cxl.data import Prefetcher
-from helpers import flip
+from helpers import flip, tool
 from memory_pool import MemoryPool, PoolCorruptError, PoolFormatError
 from memory_pool.pool import RowGather
 from memory_pool.errors import RecoveryError
@@ -40,10 +39,7 @@ from memory_pool.journal import Journal, RecordType
 from memory_pool.records import Fill, decode_row_set, materialize
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("dlrm_cxl_torture", REPO / "tools" / "torture.py")
-torture = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = torture  # (its dataclasses look their module up while it loads)
-_spec.loader.exec_module(torture)
+torture = tool("torture")
 
 
 def _baselines():
@@ -860,9 +856,7 @@ def test_the_bytes_floor_moves_the_bytes_of_an_undo_recovery_point_and_writes_no
     BytesFloorCheckpointer = _baselines().BytesFloorCheckpointer
     from dlrm_cxl.model import PRESETS
 
-    spec = importlib.util.spec_from_file_location("bench_train", REPO / "tools" / "bench_train.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = tool("bench_train")
     cfg = PRESETS["tiny"]
     batches = bench.make_batches(cfg, 4)
     undo = bench.PoolVariant("undo", cfg, batches, tmp_path, tier=tier, checkpoint="undo", window=window)

@@ -19,24 +19,18 @@ real journal segment (in the shm region), then ``recover``.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import flip
+from helpers import flip, tool
 from memory_pool import MemoryPool
 from memory_pool.journal import REC, Journal, RecordType, encode_row_set
 
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("dlrm_cxl_torture_lm", REPO / "tools" / "torture.py")
-torture = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = torture
-_spec.loader.exec_module(torture)
+torture = tool("torture")
 
 N = 8      # steps of every run
 K = 5      # the step --crash-at kills

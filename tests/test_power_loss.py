@@ -4,30 +4,19 @@ ext4 on a loop device, frozen right after a SIGKILL and copied, then recovered f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import tool
 from memory_pool import MemoryPool, fileio
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"dlrm_cxl_tool_{name}", REPO / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture
@@ -217,7 +206,7 @@ def test_power_sim_loses_rows_whose_journal_fdatasync_was_skipped(tmp_path, run_
 
 @pytest.fixture(scope="module")
 def states_tool():
-    return _tool("crash_states")
+    return tool("crash_states")
 
 
 @pytest.mark.parametrize("tier", ["power-sim", "pmem"])
@@ -282,8 +271,8 @@ def loop_refs(tmp_path_factory):
     why = _can_loop()
     if why:
         pytest.skip(why)
-    torture = _tool("torture")
-    states = _tool("crash_states")
+    torture = tool("torture")
+    states = tool("crash_states")
     cli = torture.Cli(env=states.SMALL_THRESHOLDS)
     d = tmp_path_factory.mktemp("loop-refs")
     yield cli, torture, {

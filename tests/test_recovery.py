@@ -29,14 +29,12 @@ newest ``END`` is refused (exit 4, nothing changed); damage in the unfinished ta
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -44,15 +42,12 @@ import pytest
 
 import checkpointing
 from checkpointing.store import ckpt_dir, is_commit
-from helpers import flip
+from helpers import flip, tool
 from memory_pool.errors import PoolCorruptError, RecoveryError
 from memory_pool.journal import Journal, RecordType
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("dlrm_cxl_torture", REPO / "tools" / "torture.py")
-torture = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = torture  # (its dataclasses look their module up while it loads)
-_spec.loader.exec_module(torture)
+torture = tool("torture")
 
 N = 8          # steps of every crash test's run
 K = 5          # the step --crash-at kills

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import tool
+
 REPO = Path(__file__).resolve().parents[1]
 
 FINAL_RE = re.compile(r"^(?P<label>[\w-]+): (?P<trials>\d+) trials, (?P<exact>\d+) bit-exact, (?P<diverged>\d+) "
@@ -61,17 +63,8 @@ def test_torture_quick_reports_mid_run_rollbacks_on_every_tier():
     assert "DIVERGED" not in out and "MISMATCH" not in out, out
 
 
-def _torture_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("dlrm_cxl_torture_counts", REPO / "tools" / "torture.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up while it loads)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_kill_before_a_resumed_runs_first_step_is_checked_but_not_counted_as_a_trial():
-    t = _torture_module()
+    t = tool("torture")
 
     def kill(start, completed, lost=(), after_end=False):
         return t.Kill("shm", 1, 0.02, -9, start_step=start, completed=completed, after_end=after_end,

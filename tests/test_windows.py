@@ -9,11 +9,9 @@ step at a time with ``--window 1`` (a recovery point every step, as before windo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,11 @@ import torch
 import checkpointing
 from checkpointing.policy import FIXED_SHARE, REPLAY_FACTOR, WindowConfig, WindowPolicy
 from checkpointing.store import is_commit
+from helpers import tool
 from memory_pool.journal import Journal
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("dlrm_cxl_torture_w", REPO / "tools" / "torture.py")
-torture = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = torture
-_spec.loader.exec_module(torture)
+torture = tool("torture")
 
 N = 12
 W = 4
