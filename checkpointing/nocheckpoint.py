@@ -81,6 +81,7 @@ class NoCheckpointer(Checkpointer):
 
     def checkpoint_now(self, step: int) -> None:
         pool, j = self.pool, self.pool.journal
+        pool.flush_caches()  # (a direct home's write-back DRAM cache: its dirty rows go home)
         if j is not None:
             t_bytes = 0
             taken = []

@@ -341,6 +341,14 @@ class UndoLogCheckpointer(Checkpointer):
             self.stats.commit_waits += not self._last_job.done()
             self._last_job.result()
             self.stats.commit_wait_seconds += time.perf_counter() - t0
+        if ends:
+            # A direct home's write-back DRAM cache goes home now: before this recovery point's
+            # END (the writer appends it only after this job is handed over), so the home is
+            # exact at the point and a crash before the END rolls back to the window before
+            # (whose records cover every row written here: each was touched in it); and before
+            # the next step's undo job, which reads its first touches from the home
+            # (memory_pool/cache_writeback.py). On this thread: no step is running.
+            self.pool.flush_caches()
         rows, dense = None, None
         if self.log_rows and not self.log_undo:
             # (journaled tiers, one rank: the writer notes the step's rows as the window's, in

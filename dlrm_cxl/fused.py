@@ -420,7 +420,13 @@ def bind_cached(pool, tables, states, *, optimizer: str, lr: float, eps: float,
         for m in members[g]:
             m.region.will_need(ids)
 
-    arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready, peek=peek, write_back=pool.journaled,
+    # Write-back on a direct home too (shm), flushed at every recovery point: each row goes home
+    # once a window instead of once a step (memory_pool/cache_writeback.py). Not on real pmem,
+    # whose flush would also need cache-line flushes. (DLRM_CXL_DIRECT_WRITE_BACK=0:
+    # write-through, for an A/B: tools/bench_beyond_dram.py's shm+cache-wt)
+    direct_wb = not pool.journaled and not pool.real_pmem and os.environ.get("DLRM_CXL_DIRECT_WRITE_BACK", "1") != "0"
+    arena = CacheArena(cfg, [[home(m) for m in ms] for ms in members], ready=ready, peek=peek,
+                       write_back=pool.journaled or direct_wb, flushed_at_recovery_points=direct_wb,
                        fresh=fresh, advise=advise if pool.journaled and os.environ.get("DLRM_CXL_WILLNEED", "1") != "0" else None)
     for g, ms in enumerate(members):
         for i, m in enumerate(ms):

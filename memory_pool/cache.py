@@ -97,6 +97,7 @@ class RowCache:
 
     # A write-through cache: the home always holds every row's current value.
     holds_newer = False
+    flushed_at_recovery_points = False
 
     def flush(self) -> None:
         """Nothing to write back (write-through)."""

@@ -20,55 +20,28 @@ slots, the maps and the per-slot metadata (:meth:`CacheArenaConfig.for_budget`).
    batch's ids are translated to slot ids. fbgemm's fused forward and backward then run on
    :attr:`flat` exactly as on the pool's arena, in place: only the batch's slots change.
 2. :meth:`CacheArena.end` — right after the fused backward (``FusedEmbeddingBags``' after-update
-   hook): the batch's rows, weights and state, are written from their slots to the home
-   (**write-through at the end of the step**; a write-back arena marks them dirty instead,
-   below), then the step's slots may be evicted.
+   hook): the batch's rows, weights and state, are marked dirty in their slots (a write-through
+   arena writes them home instead), then the step's slots may be evicted.
 
-**Durability (the decision, and why).** The home plus the journal is the durable state; the
-cache is a working copy that is *never dirty at a step boundary*. Write-through at the end of
-every step, not write-back at eviction, because on a direct tier (shm, real pmem) the journal
-holds no after-images: recovery restores the home from the before-images of the unfinished steps
-and trusts it for every committed one. A row updated by committed step ``k`` and still only in
-the cache when the process dies would be lost (its home value predates step ``k``, and no record
-has the newer one), and its write-back at a later eviction, in step ``j > k``, would change the
-home outside step ``j``'s undo records (``j`` does not touch the row, so logs nothing for it):
-a crash in ``j`` could not undo it. With write-through the home changes only between the fused
-update and the commit of the step that changed the rows, which is where the uncached fused path
-changes it in place: after the write-ahead barrier (the step's before-images are durable), before
-``commit``; a crash in between is rolled back from those before-images (direct tiers) or never
-reaches durable media (journaled tiers: the working copy is volatile, the commit writes the
-after-images). So eviction never writes anything back: an evicted row is equal to its home.
+**Durability.** The home plus the journal is the durable state; the cache is a working copy, and
+a crash loses it whole. What a dirty slot means, and when it goes home, depends on the home
+(``memory_pool/cache_writeback.py`` has the reasons and the measurements):
 
-That is also why the checkpointer's row gathers (``MemoryPool.row_gathers``, ``Table.view``, the
-digest, export) may read the home for a cached row and get the cache's current value: the home
-and the cache differ only inside a step, between the fused update and :meth:`end`, on the
-trainer's thread, and no gather runs then — the before-images of step ``k`` are gathered during
-its forward (after step ``k-1``'s write-through), the after-images of step ``k`` after its
-:meth:`end` (``commit``), and the next step's update waits for them (``persist``). The writes
-that go the other way (``Table.scatter_rows``, ``restore_raw``: an aborted step's before-images,
-recovery, a bulk load) refresh the slot of a cached row (:class:`CacheMember`), so the cache never
-serves a stale row.
+* **a direct home (shm), write-back flushed at recovery points** (``flushed_at_recovery_points``):
+  every dirty slot is written home at each recovery point, before its commit
+  (``MemoryPool.flush_caches``, called by the checkpointer), and by an eviction in between;
+* **a journaled home (emulated pmem, power-sim), write-back**: the home is itself a volatile
+  working copy, and every window's commit journals its rows' after-images, read through the
+  cache (``Table.current_rows``);
+* **write-through** (real pmem, whose flush would need its cache-line flushes too; or
+  ``DLRM_CXL_DIRECT_WRITE_BACK=0`` on shm, for an A/B): the step's rows are written home at its
+  end, so the home and the cache differ only inside a step.
 
-**Write-back on journaled tiers** (``write_back=True``: emulated pmem, power-sim). There the home
-is the pool's *working copy*, a private copy-on-write mapping of the table images: volatile, and
-not the durable state -- every recovery window's commit writes the after-images of the rows it
-changed to the journal, and recovery replays the journal over the images. Writing every step's
-rows through into it cost a copy-on-write fault (~12.5 us) and a page of anonymous memory per
-row alone in its page: ~10k a step on `kaggle`, the whole gap to in-memory speed. So a
-write-back arena only marks a step's slots *dirty*: a dirty row's current value is in its slot
-alone. Everything that reads rows of the home reads them through the cache instead
-(``Table.current_rows``: the after-image gathers of the journal, ``persist``), or writes the
-dirty rows home first (``Table.view``: the digest, a state dict, export; :meth:`flush`). The
-clock evicts clean slots while at least half of a group's are; a dirty row evicted is written
-to the home first (still a working copy's page, but only for rows the cache could not keep).
-Those rows are listed (:meth:`take_spilled`): the trainer gives the working copy back at
-recovery points by writing only them into the images before mapping the images afresh (a
-*refresh*), and keeps the dirty slots of big tables few (:data:`DIRTY_FROM_HOME_BYTES`): where
-40 % of one's slots are dirty, with the checkpointer drained, the pool writes every committed
-journal row into the images and maps them afresh (a *trim*, ``MemoryPool.trim_working_copy``);
-every slot then equals its home, and :meth:`mark_clean` says so (``dlrm_cxl.lookahead.
-WorkingCopyBound``). A crash loses nothing: what a dirty slot holds is either a committed
-after-image in the journal or part of the window that recovery replays.
+Readers of a home behind a write-back arena read it through the cache (``Table.current_rows``,
+``snapshot``) or flush it first (``Table.view``: the digest, a state dict, export; :meth:`flush`).
+The writes that go the other way (``Table.scatter_rows``, ``restore_raw``: an aborted step's
+before-images, recovery, a bulk load) refresh the slot of a cached row (:class:`CacheMember`), so
+the cache never serves a stale row.
 
 **Lookahead (Bagpipe's rule).** :meth:`prefetch` is called with the plans of the batches ahead,
 in order, on the prefetch thread: each gets the next ``seq``; its hits are stamped with it and
@@ -138,7 +111,8 @@ class CacheArena(WriteBackSlots):
     tensor (the pool's working copy of the table). ``ready(g, ids)``: called before rows ``ids``
     of group ``g`` are read from their homes (an on-demand replay applies its pending rows);
     ``advise(g, ids)`` then (a file's reads started ahead: ``Region.will_need``).
-    ``write_back``: see the module. ``fresh[g]``: group ``g``'s rows still at their initial
+    ``write_back``, ``flushed_at_recovery_points`` (a direct home's write-back arena): see the
+    module. ``fresh[g]``: group ``g``'s rows still at their initial
     value, which a miss creates in its slot instead of reading (``memory_pool/fresh.py``).
     ``peek(g, ids)``: per member, ``(mask, values)`` of the rows not applied to the home yet
     (``Table.pending_values``), which a miss takes into its slot instead of ``ready``."""
@@ -146,7 +120,8 @@ class CacheArena(WriteBackSlots):
     def __init__(self, cfg: CacheArenaConfig, homes: Sequence[Sequence[torch.Tensor]],
                  ready: Callable[[int, torch.Tensor], None] | None = None, *, write_back: bool = False,
                  peek: Callable[[int, torch.Tensor], list | None] | None = None,
-                 advise: Callable[[int, torch.Tensor], None] | None = None, fresh: Sequence | None = None):
+                 advise: Callable[[int, torch.Tensor], None] | None = None, fresh: Sequence | None = None,
+                 flushed_at_recovery_points: bool = False):
         if not cfg.groups:
             raise InvalidConfigError("a cache arena needs at least one table")
         if len({len(g.dims) for g in cfg.groups}) != 1:
@@ -158,6 +133,8 @@ class CacheArena(WriteBackSlots):
         self._advise = advise
         self._fresh = list(fresh) if fresh is not None else [None] * len(cfg.groups)
         self.write_back = bool(write_back)
+        # (a direct home's write-back: flushed at every recovery point, see cache_writeback.py)
+        self.recovery_flush = self.write_back and bool(flushed_at_recovery_points)
         self._init_ends()   # (the lock: WriteBackSlots)
         M = cfg.members
         self.offsets: list[list[int]] = [[0] * len(cfg.groups) for _ in range(M)]
@@ -184,6 +161,7 @@ class CacheArena(WriteBackSlots):
         self._stamp = torch.full((sum(g.slots for g in cfg.groups),), -1, dtype=torch.int64)
         self._ref = torch.zeros(self._stamp.numel(), dtype=torch.bool)
         self._dirty = torch.zeros(self._stamp.numel(), dtype=torch.bool)
+        self._slot_row = torch.full((self._stamp.numel(),), -1, dtype=torch.int64)   # (each group's slot_row: a view)
         self._ndirty = [0] * len(cfg.groups)  # dirty slots per group
         # Per group, the rows written into the home (write-back arenas: dirty rows evicted or
         # flushed, and the pool's own writes, CacheMember.write_through) since take_spilled().
@@ -198,7 +176,7 @@ class CacheArena(WriteBackSlots):
             slots = [self._work[m][self.offsets[m][gi]:self.offsets[m][gi] + g.slots * g.dims[m]].view(g.slots, g.dims[m])
                      for m in range(M)]
             self.groups.append(_Group(g, hs, slots, self._map[base[-1]:base[-1] + g.rows],
-                                      torch.full((g.slots,), -1, dtype=torch.int64),
+                                      self._slot_row[sbase[-1]:sbase[-1] + g.slots],
                                       self._stamp[sbase[-1]:sbase[-1] + g.slots],
                                       self._ref[sbase[-1]:sbase[-1] + g.slots],
                                       self._dirty[sbase[-1]:sbase[-1] + g.slots]))

@@ -145,11 +145,11 @@ class CacheStats:
     prefetch_stolen: int = 0       # prefetched rows a step evicted before their batch ran
     evictions: int = 0             # rows dropped from a slot for another
     dirty_evictions: int = 0       # of them, written back to the home first (write-back arenas: no clean slot left)
-    flushes: int = 0               # rows written back by flush() (a whole-table read of the home: digest, export)
+    flushes: int = 0               # rows written back by flush() (a direct home's recovery points; digest, export)
     bytes_read_home: int = 0
     bytes_written_home: int = 0    # write-through at the end of each step (write-back arenas: evictions, flushes)
     wait_seconds: float = 0.0      # the step's time in begin(): reading misses, waiting for the prefetch's lock
-    write_seconds: float = 0.0     # the step's time writing its rows through to the home
+    write_seconds: float = 0.0     # the trainer's time writing rows home: each step's, or each recovery point's flush
     prefetch_seconds: float = 0.0  # the prefetch thread's time reading rows ahead
 
     def as_dict(self) -> dict:

@@ -56,6 +56,11 @@ class CacheMember:
         must be read through :meth:`current`, or :meth:`flush`ed first."""
         return self.arena.write_back
 
+    @property
+    def flushed_at_recovery_points(self) -> bool:
+        """Whether every dirty slot goes home at each recovery point (a direct home's arena)."""
+        return self.arena.recovery_flush
+
     def current(self, ids: torch.Tensor, ready=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids``' current values (cached ones from their slots), not counted as reads
         (``ready``: as :meth:`read`'s), into ``out`` (``[ids, dim]``, contiguous) if given."""

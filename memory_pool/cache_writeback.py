@@ -1,12 +1,58 @@
-"""A write-back cache arena's dirty slots going home (``memory_pool/cache_arena.py``, "Write-back
-on journaled tiers"): a dirty row evicted or flushed is written to its home, and listed until
-the trainer takes it (``take_spilled``) to give the working copy's pages back. And the arena's
-lock, which settles the steps that ended since it was last taken (:class:`SettlingLock`)."""
+"""A write-back cache arena's dirty slots going home (:class:`WriteBackSlots`), and the arena's
+lock, which settles the steps that ended since it was last taken (:class:`SettlingLock`).
+
+**A direct home (shm): write-back, flushed at every recovery point.** On a direct tier the
+journal holds no after-images: recovery rolls the home back to the newest recovery point with
+the ``UNDO`` records logged since, then replays the steps recorded after it
+(``checkpointing.undo``). So what the home must hold is decided per recovery window, not per
+step, and a step's rows need not go home at its end:
+
+* *At a recovery point the home is exact.* Before the point's commit (its ``END``) is written,
+  every dirty slot is written home (:meth:`flush`, called through ``MemoryPool.flush_caches`` by
+  the checkpointer, on the trainer's thread, after the step's end and before the next step
+  begins). A crash before that ``END`` rolls back to the window before, whose records still
+  cover every row the flush wrote (each was touched in that window).
+* *Within a window the rollback still restores its start.* The home holds each row's value at
+  the window's start, or a later one whose before-image is already logged: a row's first touch
+  in the window is logged before its slot first changes (the write-ahead barrier,
+  ``persist``), and only a dirty slot is ever written home (an eviction, a flush).
+* *A row's before-image is read from the home.* A row first touched in a window is clean in
+  the cache (flushed at the window's start, unchanged since), so its home holds its current
+  value and the undo log gathers it with its row size's group, one gather over the pool's arena
+  (``MemoryPool.row_gathers(before_images=True)``); every other reader goes through the cache.
+* *Each row goes home once a window*, not once a step: on `kaggle` behind a quarter cache the
+  flush wrote ~46.7k rows a window of 4 steps, where write-through wrote ~13k a step
+  (measurements: the README's tiering section). The flush takes the slots marked since from a
+  list the steps' ends keep (a scan of every slot's mark cost 4-6 ms), sorted in home order.
+
+Why not before windows: with a recovery point every step, a dirty slot of committed step ``k``
+written home at an eviction in step ``j > k`` would change the home outside any record, so
+every step wrote its rows through (write-through, still what real pmem does: its flush would
+also need cache-line flushes).
+
+**A journaled home (emulated pmem, power-sim): write-back.** There the home is the pool's
+*working copy*, a private copy-on-write mapping of the table images: volatile, not the durable
+state (every window's commit journals the after-images of the rows it changed, read through the
+cache: ``Table.current_rows``). Writing every step's rows through into it cost a copy-on-write
+fault (~12.5 us) and a page of anonymous memory per row alone in its page: ~10k a step on
+`kaggle`, the whole gap to in-memory speed. The clock evicts clean slots while at least half of
+a group's are; a dirty row evicted is written to the home first. Those rows are listed
+(:meth:`take_spilled`): the trainer gives the working copy back at recovery points by writing
+only them into the images before mapping the images afresh (a *refresh*), and keeps the dirty
+slots of big tables few (``DIRTY_FROM_HOME_BYTES``): where 40 % of one's slots are dirty, with
+the checkpointer drained, the pool writes every committed journal row into the images and maps
+them afresh (a *trim*, ``MemoryPool.trim_working_copy``); every slot then equals its home, and
+:meth:`mark_clean` says so (``dlrm_cxl.lookahead.WorkingCopyBound``). A crash loses nothing: what
+a dirty slot holds is either a committed after-image in the journal or part of the window that
+recovery replays.
+"""
 
 from __future__ import annotations
 
 import collections
 import threading
+
+import time
 
 import torch
 
@@ -60,6 +106,7 @@ class WriteBackSlots:
     def _init_ends(self) -> None:
         self._ended: collections.deque = collections.deque()   # (seq, slots to mark dirty, rows begun)
         self._lock = SettlingLock(self._settle_ended)
+        self._dirty_list = [] if self.recovery_flush else None
 
     def _ended_step(self, seq: int, gslot: torch.Tensor | None, *, began: int | None = None) -> None:
         """Batch ``seq``'s step ended (its rows written through, or ``gslot`` -- its slots in one
@@ -92,6 +139,11 @@ class WriteBackSlots:
                 with intra_op_threads(1):   # (small ops: as in begin)
                     new = torch.masked_select(gslot, ~self._dirty.index_select(0, gslot))
                     self._dirty.index_fill_(0, new, True)
+                    if self._dirty_list is not None:
+                        self._dirty_list.append(new)
+                        if len(self._dirty_list) >= 64:
+                            d = torch.unique(torch.cat(self._dirty_list))
+                            self._dirty_list = [d.masked_select(self._dirty.index_select(0, d))]
                     per = torch.bincount(torch.searchsorted(self._slot_base, new, right=True) - 1,
                                          minlength=len(self.groups)).tolist()
                 self._ndirty = [a + b for a, b in zip(self._ndirty, per)]
@@ -108,7 +160,8 @@ class WriteBackSlots:
             # (a row a refresh made pending again -- its copy from a run given back -- is taken
             # first: else a later read would take the run's older value over this one)
             self._ready(gi, rows)
-        self._spilled[gi].append(rows)
+        if not self.recovery_flush:
+            self._spilled[gi].append(rows)
         for h, s in zip(g.homes, g.slots):
             h.index_copy_(0, rows, s.index_select(0, slots))
             self.stats.bytes_written_home += rows.numel() * s.shape[1] * 4
@@ -116,15 +169,46 @@ class WriteBackSlots:
     def wrote_home(self, gi: int, rows: torch.Tensor) -> None:
         """The pool wrote rows ``rows`` of group ``gi`` into the home (the lock held): listed for
         :meth:`take_spilled` in a write-back arena."""
-        if self.write_back:
+        if self.write_back and not self.recovery_flush:
             self._spilled[gi].append(rows)
+
+    def _flush_whole(self) -> int:
+        """(The lock held.) :meth:`flush` of every group at once (a direct home's recovery point):
+        the dirty slots from the list the steps' ends kept (no scan of every slot's mark: 4-6 ms
+        on `kaggle` at a quarter), then one gather and one scatter per member, in home order."""
+        if self._dirty_list is None:
+            d = self._dirty.nonzero().squeeze(1)
+        else:
+            d = torch.unique(torch.cat(self._dirty_list)) if self._dirty_list else torch.empty(0, dtype=torch.int64)
+            d = d.masked_select(self._dirty.index_select(0, d))   # (evicted since: written home then)
+            self._dirty_list = []
+        if not d.numel():
+            return 0
+        gi = torch.searchsorted(self._slot_base, d, right=True) - 1
+        flat = self._slot_row.index_select(0, d) + self._row_base.index_select(0, gi)   # (_flat_rows' numbering)
+        local = d - self._slot_base.index_select(0, gi)
+        # (in the weights' home order: neighbouring rows share pages and TLB entries)
+        _, order = torch.sort(flat + self._whole[0][2].index_select(0, gi))
+        gi, flat, local = gi.index_select(0, order), flat.index_select(0, order), local.index_select(0, order)
+        for whole, slots, hdelta, sdelta in self._whole:
+            whole.index_copy_(0, flat + hdelta.index_select(0, gi), slots.index_select(0, local + sdelta.index_select(0, gi)))
+            self.stats.bytes_written_home += d.numel() * slots.shape[1] * 4
+        self._dirty.index_fill_(0, d, False)
+        self._ndirty = [0] * len(self.groups)
+        return int(d.numel())
 
     def flush(self, gi: int | None = None) -> int:
         """Write every dirty row of group ``gi`` (None: of every group) to its home, and keep it
         cached, clean: before a read of the whole home (``Table.view``: the digest, a state dict,
         export). Returns the rows written. No step may be running (its rows are not final)."""
         n = 0
+        t0 = time.perf_counter()
         with self._lock:
+            if gi is None and self.recovery_flush and self._whole is not None:
+                n = self._flush_whole()
+                self.stats.flushes += n
+                self.stats.write_seconds += time.perf_counter() - t0
+                return n
             for i in (range(len(self.groups)) if gi is None else [gi]):
                 g = self.groups[i]
                 d = g.dirty.nonzero().squeeze(1)
@@ -133,6 +217,8 @@ class WriteBackSlots:
                     g.dirty[d] = False
                     n += d.numel()
                 self._ndirty[i] = 0
+            if gi is None and self._dirty_list is not None:
+                self._dirty_list = []
         self.stats.flushes += n
         return n
 

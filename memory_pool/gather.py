@@ -16,7 +16,7 @@ import torch
 from .arena import Arena
 from .tiers import torch_dtype
 
-__all__ = ["RowGather", "TouchedRows", "row_gathers", "copy_row_gathers", "rows_per_pair"]
+__all__ = ["RowGather", "RowGathering", "TouchedRows", "row_gathers", "copy_row_gathers", "rows_per_pair"]
 
 
 class TouchedRows(list):
@@ -101,25 +101,29 @@ def copy_row_gathers(gathers: list[RowGather], buffers: dict | None = None) -> l
     return out
 
 
-def row_gathers(arena: Arena, pairs) -> list[RowGather]:
+def row_gathers(arena: Arena, pairs, *, before_images: bool = False) -> list[RowGather]:
     """How to copy rows ``[(table, ids)]`` (trusted ids, already applied to the working copy),
     grouped: tables of the same row size in ``arena`` are one :class:`RowGather`, copied with
     ONE ``index_select`` over the arena (the undo log and the journal gather ~50 (table, rows)
     pairs a step: one kernel instead of 50, and one journal record per group); other tables
     (behind a write-back cache, read through it; outside the arena; at an unaligned offset) one
     each. Nothing is copied yet: a caller may copy straight to where the rows go
-    (:meth:`RowGather.into`)."""
+    (:meth:`RowGather.into`). ``before_images``: the rows are ones the current recovery window
+    has not touched yet (the undo log's), which a table's home holds behind a write-through
+    cache and behind one flushed at every recovery point (``Table.home_holds_untouched_rows``)."""
     out: list = []
     groups: dict = {}
     for i, (t, ids) in enumerate(pairs):
         off, rb = t.arena_offset, t.config.row_bytes
-        # A table behind a write-through cache (the fused path's cache arena on a direct tier,
-        # the reference path's row cache) is read from its home like any other: the home holds
-        # every row's current value where a checkpointer reads it (the before-images at the
-        # write-ahead barrier, before the update changes the slots), so it joins its row size's
-        # group. On `kaggle` behind a quarter cache on shm, ~40 gathers a step became 2 and the
-        # undo log's time on the trainer's thread fell from 7-8 to ~4.7 ms a step.
-        if t.cache_holds_newer:
+        # A table behind a write-through cache (real pmem's cache arena, the reference path's
+        # row cache) is read from its home like any other: the home holds every row's current
+        # value where a checkpointer reads it (the before-images at the write-ahead barrier,
+        # before the update changes the slots), so it joins its row size's group; so does one
+        # behind a direct home's write-back cache for the before-images (a window's untouched
+        # rows are clean: memory_pool/cache_writeback.py). On `kaggle` behind a quarter cache on
+        # shm, ~40 gathers a step became 2 and the undo log's time on the trainer's thread fell
+        # from 7-8 to ~4.7 ms a step.
+        if t.cache_holds_newer and not (before_images and t.home_holds_untouched_rows):
             out.append(RowGather([i], t.region.tensor, ids, False, t.current_rows))
         elif off is None or off % rb:
             out.append(RowGather([i], t.view(), ids, False))
@@ -145,3 +149,33 @@ def _arena_rows(pairs, idx: list[int], rb: int) -> torch.Tensor:
         shift = np.fromiter((pairs[i][0].arena_offset // rb for i in idx), dtype=np.int64, count=len(idx)) - base[:-1]
         return torch.from_numpy(a + np.repeat(shift, np.diff(np.searchsorted(a, base))))
     return torch.cat([pairs[i][1] + pairs[i][0].arena_offset // rb for i in idx])
+
+
+class RowGathering:
+    """:class:`~memory_pool.pool.MemoryPool`'s row gathering for the checkpointer, and its
+    recovery point's cache flush (uses the pool's ``_arena``, ``_tables``, ``ready`` and
+    ``_check_open``)."""
+
+    rows_per_pair = staticmethod(rows_per_pair)
+    copy_row_gathers = staticmethod(copy_row_gathers)
+
+    def gather_row_groups(self, pairs, buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
+        """Copies of rows ``[(table, ids)]`` (trusted ids), grouped: ``[(indexes into pairs,
+        their rows concatenated in that order)]`` (see :meth:`row_gathers`)."""
+        return self.copy_row_gathers(self.row_gathers(pairs), buffers)
+
+    def row_gathers(self, pairs, *, before_images: bool = False) -> list[RowGather]:
+        """How to copy rows ``[(table, ids)]`` (trusted ids), grouped (:func:`row_gathers`):
+        nothing is copied yet. ``before_images``: rows the current recovery window has not
+        touched yet (the undo log's)."""
+        self._check_open()
+        self.ready([(t, ids) for t, ids in pairs if not t.cache_holds_newer or
+                    (before_images and t.home_holds_untouched_rows)])  # (the others: Table.current_rows)
+        return row_gathers(self._arena, pairs, before_images=before_images)
+
+    def flush_caches(self) -> int:
+        """At a recovery point, before its commit: the dirty slots of every DRAM cache arena that
+        is flushed at recovery points (a direct home's: ``memory_pool/cache_writeback.py``)
+        written home. No step may be running. Returns the rows written."""
+        arenas = {id(a): a for a in (t.recovery_point_cache for t in self._tables.values()) if a is not None}
+        return sum(a.flush() for a in arenas.values())

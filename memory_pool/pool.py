@@ -38,7 +38,7 @@ from .tiers import Tier, detect_dax, tier_of
 from .compaction import Compaction
 from .replay import REPLAY_MODES, Replayer
 from .transaction import Transaction
-from .gather import RowGather, copy_row_gathers, row_gathers, rows_per_pair
+from .gather import RowGather, RowGathering
 from .kjt_lookup import lookup_kjt
 from .tableset import TableSet
 from .pooldir import close_pool_dir, destroy_pool, make_pool_dir, open_journal, open_pool_dir
@@ -47,7 +47,7 @@ __all__ = ["MemoryPool", "RowGather", "Table", "TableConfig", "PoolStats", "dest
            "HEADER", "read_header", "REPLAY_MODES"]
 
 
-class MemoryPool:
+class MemoryPool(RowGathering):
     """A pool of embedding tables. Create with :meth:`create`, reopen with :meth:`open`.
 
     Use as a context manager; ``close`` releases the mappings and the writer lock. A pool
@@ -183,21 +183,7 @@ class MemoryPool:
     def wait_compaction(self) -> None:  # (a background one, if running; its error raised)
         self._compaction.wait()
 
-    # -- row gathering for the checkpointer (memory_pool/gather.py)
-    rows_per_pair = staticmethod(rows_per_pair)
-    copy_row_gathers = staticmethod(copy_row_gathers)
-
-    def gather_row_groups(self, pairs, buffers: dict | None = None) -> list[tuple[list[int], torch.Tensor]]:
-        """Copies of rows ``[(table, ids)]`` (trusted ids), grouped: ``[(indexes into pairs,
-        their rows concatenated in that order)]`` (see :meth:`row_gathers`)."""
-        return self.copy_row_gathers(self.row_gathers(pairs), buffers)
-
-    def row_gathers(self, pairs) -> list[RowGather]:
-        """How to copy rows ``[(table, ids)]`` (trusted ids), grouped (``gather.row_gathers``):
-        nothing is copied yet."""
-        self._check_open()
-        self.ready([(t, ids) for t, ids in pairs if not t.cache_holds_newer])  # (those: Table.current_rows)
-        return row_gathers(self._arena, pairs)
+    # -- row gathering for the checkpointer, a recovery point's cache flush: gather.RowGathering
 
     def arena_tensor(self, dtype: torch.dtype = torch.float32, *, on_demand: bool = False) -> torch.Tensor:
         """Every table of the pool as one flat tensor (no copy): table ``t`` starts at element

@@ -320,6 +320,19 @@ class Table:
         journaled tier): its home is then read through :meth:`current_rows`."""
         return self._cache is not None and self._cache.holds_newer
 
+    @property
+    def home_holds_untouched_rows(self) -> bool:
+        """Whether the home holds the current value of every row the current recovery window
+        has not touched yet (the rows whose before-images the undo log gathers): no cache, a
+        write-through one, or a write-back one flushed at every recovery point (a direct home:
+        ``memory_pool/cache_writeback.py``)."""
+        return self._cache is None or not self._cache.holds_newer or self._cache.flushed_at_recovery_points
+
+    @property
+    def recovery_point_cache(self):
+        """The cache arena to flush at each recovery point (``MemoryPool.flush_caches``), or None."""
+        return self._cache.arena if self._cache is not None and self._cache.flushed_at_recovery_points else None
+
     def use_cache(self, cache) -> None:
         """Serve the rows through ``cache`` from now on (a ``memory_pool.cache_arena.CacheMember``:
         the DRAM cache arena fbgemm's fused kernels run on), instead of the table's own row cache."""

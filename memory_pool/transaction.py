@@ -73,7 +73,7 @@ class Transaction:
         # The undo group: the sequence number of the step's first UNDO record (this thread is
         # the journal's only appender, so that is the next one).
         group = j.next_seq if mark else None
-        gathers = self.pool.row_gathers(touched)
+        gathers = self.pool.row_gathers(touched, before_images=True)
         if j.mapped:
             # Copied from the tables straight into the journal's mapping (no buffer); the
             # before-images are views of the records, which stay until a compaction after the

@@ -64,12 +64,20 @@ def two_tables(path, tier="shm"):
     return pool, [[a, sa], [b, sb]]
 
 
-def arena_for(members, slots, write_back=False):
+def arena_for(members, slots, write_back=False, homes=None, **kw):
     cfg = CacheArenaConfig(tuple(
         __import__("memory_pool.cache_arena", fromlist=["x"]).CacheGroupConfig(ms[0].name, ms[0].num_embeddings,
                                                                                (4, 1), s)
         for ms, s in zip(members, slots)), budget_bytes=0)
-    return CacheArena(cfg, [[m.view() for m in ms] for ms in members], write_back=write_back)
+    return CacheArena(cfg, homes or [[m.view() for m in ms] for ms in members], write_back=write_back, **kw)
+
+
+def arena_homes(pool, members):
+    """Each member's home as a view of the pool's arena (as ``dlrm_cxl.fused`` gives them): a
+    whole-arena flush then writes every group with one scatter per member."""
+    flat = pool.arena_tensor(torch.float32)
+    return [[flat[m.arena_offset // 4:m.arena_offset // 4 + m.num_embeddings * m.embedding_dim].view(
+        m.num_embeddings, m.embedding_dim) for m in ms] for ms in members]
 
 
 def test_ids_are_remapped_to_slots_holding_their_rows_duplicates_and_across_tables(tmp_path):
@@ -302,11 +310,11 @@ def test_rows_updated_then_evicted_are_read_back_updated_and_pool_writes_refresh
 @pytest.mark.parametrize("tier,write_back", [("shm", False), ("pmem", True)])
 def test_the_checkpointers_gathers_read_a_write_through_caches_home_grouped_and_a_write_back_cache_through_it(
         tmp_path, tier, write_back):
-    """Write-through (a direct tier): the home holds every row's current value, so the tables
-    behind the cache join their row size's group, one gather over the pool's arena, and read the
-    same bytes as each table's own view. Write-back (a journaled tier): a slot may be newer than
-    its home, so each table is read through its cache, and a changed slot's value is what it
-    reads."""
+    """Write-through (real pmem's arena; shm's with ``DLRM_CXL_DIRECT_WRITE_BACK=0``): the home
+    holds every row's current value, so the tables behind the cache join their row size's group,
+    one gather over the pool's arena, and read the same bytes as each table's own view.
+    Write-back (a journaled tier): a slot may be newer than its home, so each table is read
+    through its cache, and a changed slot's value is what it reads."""
     pool, members = two_tables(tmp_path / "p", tier=tier)
     arena = arena_for(members, (3, 3), write_back=write_back)
     for ms, gi in zip(members, (0, 1)):
@@ -426,6 +434,43 @@ def test_a_write_back_arena_keeps_a_steps_rows_in_their_slots_and_every_reader_s
     arena.mark_clean()
     seq, _ = arena.begin([torch.tensor([7, 8]), none], torch.tensor([7, 8]), [2, 0])
     assert arena.stats.dirty_evictions == 2 and arena.dirty_slots == 0
+    pool.close()
+
+
+def test_a_direct_homes_write_back_cache_goes_home_at_a_recovery_point_and_keeps_before_images_grouped(tmp_path):
+    """A direct home (shm) behind a write-back arena flushed at recovery points: a step's rows
+    stay in their slots (the home is not written), readers see them through the cache, the undo
+    log's before-images (rows the window has not touched: clean) are one gather per row size
+    over the pool's arena, and ``flush_caches`` -- the checkpointer's call at a recovery point --
+    writes every dirty row of every group home, listing nothing for a working copy's refresh."""
+    pool, members = two_tables(tmp_path / "p")
+    arena = arena_for(members, (3, 3), write_back=True, homes=arena_homes(pool, members),
+                      flushed_at_recovery_points=True)
+    assert arena._whole is not None
+    for ms, gi in zip(members, (0, 1)):
+        for m, t in enumerate(ms):
+            t.use_cache(arena.member(gi, m))
+    (a, sa), (b, sb) = members
+    rows = [torch.tensor([2, 7, 9]), torch.tensor([0, 4])]
+    old = [a.region.tensor[rows[0]].clone(), b.region.tensor[rows[1]].clone(), sb.region.tensor[rows[1]].clone()]
+    seq, slots = arena.begin(rows, torch.cat(rows), [3, 2])
+    slots = slots + torch.tensor([0, 0, 0, 3, 3])     # (each table's slots at its offset in the arena)
+    arena.flat[0].view(-1, 4)[slots] += 1.0          # the fused update, in the slots
+    arena.flat[1][slots] += 2.0
+    arena.end(rows, seq)
+    assert arena.dirty_slots == 5
+    assert torch.equal(a.region.tensor[rows[0]], old[0]) and torch.equal(b.region.tensor[rows[1]], old[1])
+    new = [a.current_rows(rows[0]), b.current_rows(rows[1]), sb.current_rows(rows[1])]
+    assert not torch.equal(new[0], old[0]) and not torch.equal(new[2], old[2])
+    pairs = [(a, rows[0]), (b, rows[1]), (sa, rows[0]), (sb, rows[1])]
+    assert all(g.read is not None for g in pool.row_gathers(pairs))            # readers: through the cache
+    before = pool.row_gathers(pairs, before_images=True)
+    assert sorted(g.idx for g in before) == [[0, 1], [2, 3]] and all(g.grouped for g in before)
+    assert pool.flush_caches() == 5 and arena.dirty_slots == 0 and arena.stats.flushes == 5
+    assert torch.equal(a.region.tensor[rows[0]], new[0]) and torch.equal(b.region.tensor[rows[1]], new[1])
+    assert torch.equal(sb.region.tensor[rows[1]], new[2])
+    assert pool.flush_caches() == 0                                             # clean now: nothing to write
+    assert [x.numel() for x in arena.take_spilled()] == [0, 0]
     pool.close()
 
 
@@ -625,6 +670,24 @@ def test_cached_fused_path_is_bit_identical_to_the_uncached_over_50_steps_with_e
     assert summary.pool_stats["memory"]["budget_bytes"] == BUDGET and summary.pool_stats["memory"]["vm_rss"] > 0
     assert t.model.cache_bags is not None and t.fused  # (fbgemm's kernels, not the reference path)
     assert digest == uncached[N]
+
+
+def test_a_direct_homes_cache_writes_each_row_home_once_a_window_and_leaves_the_home_exact(root, uncached,
+                                                                                              monkeypatch):
+    """A direct home's write-back arena, flushed at every recovery point, against the same run
+    written through (``DLRM_CXL_DIRECT_WRITE_BACK=0``): the same digest as the uncached run,
+    fewer bytes written home (a row changed in several steps of a window goes home once), and
+    the home alone -- the pool reopened without a cache -- holds the trained model."""
+    stats = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("DLRM_CXL_DIRECT_WRITE_BACK", mode)
+        path = root / f"direct-shm-{mode}"
+        digest, summary, t = train(path, N, dram_cache_bytes=BUDGET, window=WINDOW)
+        assert digest == uncached[N] and t.model.cache_bags.arena.recovery_flush == (mode == "1")
+        stats[mode] = summary.pool_stats["cache"]
+        assert train(path, N)[0] == uncached[N]   # (reopened, no cache: the home itself)
+    assert stats["1"]["flushes"] > 0 and stats["0"]["flushes"] == 0
+    assert stats["1"]["bytes_written_home"] < 0.8 * stats["0"]["bytes_written_home"], stats
 
 
 @pytest.mark.parametrize("tier", ["pmem", "power-sim"])

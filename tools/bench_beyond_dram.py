@@ -278,7 +278,10 @@ def main(argv=None) -> int:
           f"{a.steps} timed steps, lookahead {a.prefetch_batches}; torch threads {torch.get_num_threads()}", flush=True) \
         if a.one is None else None
     spec = {"memory": ("dram", None), "pmem+cache": ("pmem", budget), "shm+cache": ("shm", budget),
-            "pmem": ("pmem", None), "shm": ("shm", None)}
+            "shm+cache-wt": ("shm", budget), "pmem": ("pmem", None), "shm": ("shm", None)}
+    # shm+cache-wt: the shm home's cache arena written through at every step's end, as before
+    # the write-back flushed at recovery points (memory_pool/cache_arena.py), for an A/B in one run.
+    env = {"shm+cache-wt": {"DLRM_CXL_DIRECT_WRITE_BACK": "0"}}
     if a.one is not None:  # (a child process: one variant)
         v, k = a.one.rsplit("@", 1)
         tier, b = spec[v]
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
             cmd += ["--peak-every", str(a.peak_every)] if a.peak_every > 0 else []
             cmd += ["--larger-than-ram"] if a.larger_than_ram else []
             cmd += ["--checkpoint", a.checkpoint, "--every", str(a.every)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env.get(v, {})})
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode or not line:
                 print(f"{v}@{k} failed (rc {p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
