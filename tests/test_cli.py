@@ -167,13 +167,15 @@ def test_train_inspect_eval_in_process(trained):
 def test_train_summary_reports_what_compaction_cost(tmp_path, monkeypatch):
     monkeypatch.setenv("DLRM_CXL_COMPACT_MB", "0.25")  # a compaction every few steps
     pool = tmp_path / "pool"
-    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 12)
+    # (a fixed window: from the recovery budget, a fast machine chose one window over steps
+    # 1-12, so the compactions before its end wrote back only step 1's rows, "0.0 MB")
+    code, out, err = run_main("train", "--pool", pool, *TINY, "--steps", 12, "--window", 2)
     assert code == 0, err
     m = re.search(r"^compaction: (\d+) in the background, (\d+) write-back passes between them, "
                   r"([\d.]+) s of CPU \(([\d.]+) ms/step amortised\); "
                   r"([\d.]+) MB of rows written back into the tables$", out, re.M)
     assert m and int(m.group(1)) >= 1 and float(m.group(5)) > 0, out
-    code, js, _ = run_main("train", "--pool", pool, *TINY, "--steps", 14, "--json")
+    code, js, _ = run_main("train", "--pool", pool, *TINY, "--steps", 14, "--window", 2, "--json")
     assert code == 0
     stats = json.loads(js)["pool_stats"]
     assert stats["compactions"] >= 1 and stats["compact_seconds"] > 0 and stats["bytes_written_back"] > 0
