@@ -20,10 +20,12 @@ step, and a step's rows need not go home at its end:
   the cache (flushed at the window's start, unchanged since), so its home holds its current
   value and the undo log gathers it with its row size's group, one gather over the pool's arena
   (``MemoryPool.row_gathers(before_images=True)``); every other reader goes through the cache.
-* *Each row goes home once a window*, not once a step: on `kaggle` behind a quarter cache the
-  flush wrote ~46.7k rows a window of 4 steps, where write-through wrote ~13k a step
-  (measurements: the README's tiering section). The flush takes the slots marked since from a
-  list the steps' ends keep (a scan of every slot's mark cost 4-6 ms), sorted in home order.
+* *Each row goes home once a window*, not once a step: on `kaggle` behind a quarter cache,
+  window 4, 11.8k rows a step went home against 16.1k written through (the README's tiering
+  section). The flush takes the slots marked since from a list the steps' ends keep (a scan of
+  every slot's mark cost 4-6 ms of a 10-17 ms flush), and writes them in home order. Past a
+  sixteenth of the slots (no recovery point for long: ``--checkpoint none``) the list is dropped
+  for the scan until the next flush, so it never holds more than that.
 
 Why not before windows: with a recovery point every step, a dirty slot of committed step ``k``
 written home at an eviction in step ``j > k`` would change the home outside any record, so
@@ -51,7 +53,6 @@ from __future__ import annotations
 
 import collections
 import threading
-
 import time
 
 import torch
@@ -143,7 +144,9 @@ class WriteBackSlots:
                         self._dirty_list.append(new)
                         if len(self._dirty_list) >= 64:
                             d = torch.unique(torch.cat(self._dirty_list))
-                            self._dirty_list = [d.masked_select(self._dirty.index_select(0, d))]
+                            d = d.masked_select(self._dirty.index_select(0, d))
+                            # (past a sixteenth of the slots: the flush scans the marks instead)
+                            self._dirty_list = [d] if 16 * d.numel() <= self._dirty.numel() else None
                     per = torch.bincount(torch.searchsorted(self._slot_base, new, right=True) - 1,
                                          minlength=len(self.groups)).tolist()
                 self._ndirty = [a + b for a, b in zip(self._ndirty, per)]
@@ -181,7 +184,7 @@ class WriteBackSlots:
         else:
             d = torch.unique(torch.cat(self._dirty_list)) if self._dirty_list else torch.empty(0, dtype=torch.int64)
             d = d.masked_select(self._dirty.index_select(0, d))   # (evicted since: written home then)
-            self._dirty_list = []
+        self._dirty_list = []
         if not d.numel():
             return 0
         gi = torch.searchsorted(self._slot_base, d, right=True) - 1
@@ -200,7 +203,8 @@ class WriteBackSlots:
     def flush(self, gi: int | None = None) -> int:
         """Write every dirty row of group ``gi`` (None: of every group) to its home, and keep it
         cached, clean: before a read of the whole home (``Table.view``: the digest, a state dict,
-        export). Returns the rows written. No step may be running (its rows are not final)."""
+        export), and at each recovery point of a direct home (``MemoryPool.flush_caches``).
+        Returns the rows written. No step may be running (its rows are not final)."""
         n = 0
         t0 = time.perf_counter()
         with self._lock:
@@ -217,7 +221,7 @@ class WriteBackSlots:
                     g.dirty[d] = False
                     n += d.numel()
                 self._ndirty[i] = 0
-            if gi is None and self._dirty_list is not None:
+            if gi is None and self.recovery_flush:
                 self._dirty_list = []
         self.stats.flushes += n
         return n

@@ -471,6 +471,16 @@ def test_a_direct_homes_write_back_cache_goes_home_at_a_recovery_point_and_keeps
     assert torch.equal(sb.region.tensor[rows[1]], new[2])
     assert pool.flush_caches() == 0                                             # clean now: nothing to write
     assert [x.numel() for x in arena.take_spilled()] == [0, 0]
+    # No recovery point for 70 steps (``--checkpoint none``): the list of slots marked, past a
+    # sixteenth of the slots, is dropped for a scan of the marks; the flush still finds them all.
+    for _ in range(70):
+        seq, slots = arena.begin(rows, torch.cat(rows), [3, 2])
+        arena.flat[0].view(-1, 4)[slots + torch.tensor([0, 0, 0, 3, 3])] += 1.0
+        arena.end(rows, seq)
+    assert arena.dirty_slots == 5 and arena._dirty_list is None
+    assert pool.flush_caches() == 5 and arena._dirty_list == []
+    assert torch.equal(a.region.tensor[rows[0]], a.current_rows(rows[0]))
+    assert torch.allclose(a.region.tensor[rows[0]], new[0] + 70.0)   # (changed since the first flush)
     pool.close()
 
 

@@ -9,7 +9,9 @@ none`` in every variant shows what the cache costs apart from the tier's durabil
 * ``memory``: every table in DRAM (tier ``dram``), no cache: the fully in-memory reference;
 * ``pmem+cache``: the home on emulated pmem (``--root``: a file system), a DRAM budget of
   ``--fraction`` of the tables (``--dram-cache``);
-* ``shm+cache``: the home on ``shm`` (``/dev/shm``: the emulated CXL device), the same budget.
+* ``shm+cache``: the home on ``shm`` (``/dev/shm``: the emulated CXL device), the same budget;
+* ``shm+cache-wt``: the same, its arena written through at every step's end
+  (``DLRM_CXL_DIRECT_WRITE_BACK=0``) instead of written back and flushed at recovery points.
 
 Each variant is a :class:`~dlrm_cxl.trainer.Trainer` driven through its API exactly as
 ``Trainer.run`` drives it (plans made ``--prefetch-batches`` ahead on the prefetch thread), one
@@ -279,8 +281,7 @@ def main(argv=None) -> int:
         if a.one is None else None
     spec = {"memory": ("dram", None), "pmem+cache": ("pmem", budget), "shm+cache": ("shm", budget),
             "shm+cache-wt": ("shm", budget), "pmem": ("pmem", None), "shm": ("shm", None)}
-    # shm+cache-wt: the shm home's cache arena written through at every step's end, as before
-    # the write-back flushed at recovery points (memory_pool/cache_arena.py), for an A/B in one run.
+    # (shm+cache-wt: see the module docstring; the child reads it at its arena's binding)
     env = {"shm+cache-wt": {"DLRM_CXL_DIRECT_WRITE_BACK": "0"}}
     if a.one is not None:  # (a child process: one variant)
         v, k = a.one.rsplit("@", 1)
