@@ -377,14 +377,10 @@ class CacheArena(WriteBackSlots):
     def _write_through(self, rows: Sequence[torch.Tensor], flat: torch.Tensor | None) -> int:
         n = 0
         if self._whole is not None:
-            # One gather and one scatter per member for every group's rows.
             flat, counts = self._flat_rows(rows, flat)
             if flat.numel():
-                slot = self._map.index_select(0, flat).to(torch.int64)
-                for whole, slots, hdelta, sdelta in self._whole:
-                    src = slots.index_select(0, slot + torch.repeat_interleave(sdelta, counts))
-                    whole.index_copy_(0, flat + torch.repeat_interleave(hdelta, counts), src)
-                    n += src.numel() * 4
+                gi = torch.repeat_interleave(torch.arange(len(self.groups)), counts)
+                n = self._whole_to_home(flat, gi, self._map.index_select(0, flat).to(torch.int64))
         else:
             for gi, ids in enumerate(rows):
                 if not ids.numel():
@@ -394,6 +390,17 @@ class CacheArena(WriteBackSlots):
                 for h, s in zip(g.homes, g.slots):
                     h.index_copy_(0, ids, s.index_select(0, slot))
                     n += ids.numel() * s.shape[1] * 4
+        return n
+
+    def _whole_to_home(self, flat: torch.Tensor, gi: torch.Tensor, slot: torch.Tensor) -> int:
+        """Rows ``flat`` (:meth:`_flat_rows`' numbering) of groups ``gi``, every member, from their
+        slots ``slot`` (each in its group) to the home: one gather and one scatter per member for
+        every group's rows (``_whole``; the write-through and a recovery point's flush). Returns
+        the bytes written."""
+        n = 0
+        for whole, slots, hdelta, sdelta in self._whole:
+            whole.index_copy_(0, flat + hdelta.index_select(0, gi), slots.index_select(0, slot + sdelta.index_select(0, gi)))
+            n += flat.numel() * slots.shape[1] * 4
         return n
 
     def abandon(self, seq: int) -> None:

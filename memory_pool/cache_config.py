@@ -149,7 +149,7 @@ class CacheStats:
     bytes_read_home: int = 0
     bytes_written_home: int = 0    # write-through at the end of each step (write-back arenas: evictions, flushes)
     wait_seconds: float = 0.0      # the step's time in begin(): reading misses, waiting for the prefetch's lock
-    write_seconds: float = 0.0     # the trainer's time writing rows home: each step's, or each recovery point's flush
+    write_seconds: float = 0.0     # the time writing rows home: each step's write-through, or a flush (recovery points, digest)
     prefetch_seconds: float = 0.0  # the prefetch thread's time reading rows ahead
 
     def as_dict(self) -> dict:

@@ -192,10 +192,8 @@ class WriteBackSlots:
         local = d - self._slot_base.index_select(0, gi)
         # (in the weights' home order: neighbouring rows share pages and TLB entries)
         _, order = torch.sort(flat + self._whole[0][2].index_select(0, gi))
-        gi, flat, local = gi.index_select(0, order), flat.index_select(0, order), local.index_select(0, order)
-        for whole, slots, hdelta, sdelta in self._whole:
-            whole.index_copy_(0, flat + hdelta.index_select(0, gi), slots.index_select(0, local + sdelta.index_select(0, gi)))
-            self.stats.bytes_written_home += d.numel() * slots.shape[1] * 4
+        self.stats.bytes_written_home += self._whole_to_home(flat.index_select(0, order), gi.index_select(0, order),
+                                                             local.index_select(0, order))
         self._dirty.index_fill_(0, d, False)
         self._ndirty = [0] * len(self.groups)
         return int(d.numel())
@@ -209,20 +207,19 @@ class WriteBackSlots:
         t0 = time.perf_counter()
         with self._lock:
             if gi is None and self.recovery_flush and self._whole is not None:
-                n = self._flush_whole()
-                self.stats.flushes += n
-                self.stats.write_seconds += time.perf_counter() - t0
-                return n
-            for i in (range(len(self.groups)) if gi is None else [gi]):
-                g = self.groups[i]
-                d = g.dirty.nonzero().squeeze(1)
-                if d.numel():
-                    self._write_back_slots(i, d, g.slot_row[d])
-                    g.dirty[d] = False
-                    n += d.numel()
-                self._ndirty[i] = 0
-            if gi is None and self.recovery_flush:
-                self._dirty_list = []
+                n = self._flush_whole()   # (a direct home's recovery point: every group at once)
+            else:
+                for i in (range(len(self.groups)) if gi is None else [gi]):
+                    g = self.groups[i]
+                    d = g.dirty.nonzero().squeeze(1)
+                    if d.numel():
+                        self._write_back_slots(i, d, g.slot_row[d])
+                        g.dirty[d] = False
+                        n += d.numel()
+                    self._ndirty[i] = 0
+                if gi is None and self.recovery_flush:
+                    self._dirty_list = []
+        self.stats.write_seconds += time.perf_counter() - t0
         self.stats.flushes += n
         return n
 

@@ -101,6 +101,14 @@ def copy_row_gathers(gathers: list[RowGather], buffers: dict | None = None) -> l
     return out
 
 
+def reads_home(t, before_images: bool = False) -> bool:
+    """Whether a gather of table ``t``'s rows reads its home (else through its cache:
+    ``Table.current_rows``). ``before_images``: of rows the current recovery window has not
+    touched yet (the undo log's), which the home holds behind a cache flushed at every recovery
+    point too (``Table.home_holds_untouched_rows``)."""
+    return t.home_holds_untouched_rows if before_images else not t.cache_holds_newer
+
+
 def row_gathers(arena: Arena, pairs, *, before_images: bool = False) -> list[RowGather]:
     """How to copy rows ``[(table, ids)]`` (trusted ids, already applied to the working copy),
     grouped: tables of the same row size in ``arena`` are one :class:`RowGather`, copied with
@@ -123,7 +131,7 @@ def row_gathers(arena: Arena, pairs, *, before_images: bool = False) -> list[Row
         # rows are clean: memory_pool/cache_writeback.py). On `kaggle` behind a quarter cache on
         # shm, ~40 gathers a step became 2 and the undo log's time on the trainer's thread fell
         # from 7-8 to ~4.7 ms a step.
-        if t.cache_holds_newer and not (before_images and t.home_holds_untouched_rows):
+        if not reads_home(t, before_images):
             out.append(RowGather([i], t.region.tensor, ids, False, t.current_rows))
         elif off is None or off % rb:
             out.append(RowGather([i], t.view(), ids, False))
@@ -169,8 +177,7 @@ class RowGathering:
         nothing is copied yet. ``before_images``: rows the current recovery window has not
         touched yet (the undo log's)."""
         self._check_open()
-        self.ready([(t, ids) for t, ids in pairs if not t.cache_holds_newer or
-                    (before_images and t.home_holds_untouched_rows)])  # (the others: Table.current_rows)
+        self.ready([(t, ids) for t, ids in pairs if reads_home(t, before_images)])  # (the others: Table.current_rows)
         return row_gathers(self._arena, pairs, before_images=before_images)
 
     def flush_caches(self) -> int:

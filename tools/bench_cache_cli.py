@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios[v].append(got[v]["samples_per_s"] / got["memory"]["samples_per_s"])
     for v, xs in ratios.items():
         print(f"{v}: median {statistics.median(xs):.3f}x of memory ({', '.join(f'{x:.3f}' for x in xs)})")
-    shutil.rmtree(work, ignore_errors=True) if a.workdir is None else None
+    if a.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
