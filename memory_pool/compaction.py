@@ -195,9 +195,10 @@ class Compaction:
 
         return self._compactor.run(run, wait=wait)
 
-    def _absorb(self, refs, *, preread: bool = False) -> None:
+    def _absorb(self, refs, *, preread: bool = False, trim: bool = False) -> None:
         """Write the ROWS of ``refs`` home and make them durable (the compactor's thread, the
-        images held): a compaction's ``absorb``, or a trim's behind a DRAM cache."""
+        images held): a compaction's ``absorb``, or a trim's behind a DRAM cache (``trim``:
+        ``refs`` are every committed record, and nothing reads rows meanwhile)."""
         # Most segments were written back already, one by one as they were sealed (apply):
         # what is left of them is only made durable here. With a row overlay, the order of
         # memory_pool/overlay.py: the dense pages home and the new run written, both synced,
@@ -230,7 +231,9 @@ class Compaction:
         # be dropped (or reused): apply them now, while the write-back has their image pages
         # in the page cache. In chunks: a step that needs rows meanwhile waits for one.
         # (Rows pending from runs stay pending: their runs are kept, see Overlay.finish.)
-        self._apply_pending(chunk=1 << 16, runs=False)
+        # A trim through the overlay has just put every one of them in the new run or home,
+        # and maps the working copy afresh next: they become pending from there instead.
+        self._apply_pending(chunk=1 << 16, runs=False, hand_over=trim and ov is not None)
 
     def _absorb_committed(self) -> None:
         """A trim's compaction through the row overlay: every committed journal row home or
@@ -243,7 +246,7 @@ class Compaction:
         with self._image_lock:  # (never beside a bulk load into an image: images_held)
             refs, upto = self.journal.sealed_refs(self.journal.start_seq)
             if upto is not None:
-                self._absorb(refs)
+                self._absorb(refs, trim=True)
                 if self.overlay is not None:
                     self.overlay.finish()  # (the manifest no longer names the cleaned runs)
         self.stats.compact_seconds += time.perf_counter() - t0

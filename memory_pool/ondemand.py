@@ -20,7 +20,10 @@ needs it:
   ``ready`` first, as the fused trainer does);
 * whatever is left at the next compaction, on the compactor's thread, right after it has written
   the same rows into the images (their pages are in the page cache then) and before it drops the
-  journal segments the index points into.
+  journal segments the index points into -- except behind a row overlay's trim (a DRAM cache's
+  first one after the open), which has just put every one of them in a run or home and maps the
+  working copy afresh next: there they are handed over unapplied, pending from the run or the
+  image (:meth:`PendingRows.hand_over`, ``Overlay.pend``).
 
 Nothing else changes: the journal keeps the rows until that compaction, so a crash before it
 replays them again (the index is rebuilt from the journal; replay is idempotent). The cost moves
@@ -150,6 +153,21 @@ class PendingRows:
         for name in list(self._tables):
             while name in self._tables:
                 n += self.take(name, limit=chunk)
+        return n
+
+    def hand_over(self, pend: Callable[[str, torch.Tensor], int]) -> int:
+        """Drop every pending row unapplied, each table's (sorted) given to ``pend(name, rows)``
+        first: a row overlay that now holds their newest values (``Overlay.pend``). Returns the
+        rows handed over. Call order: only where nothing reads rows meanwhile (a trim: the
+        cache paused, no step running), as a reader looks at the overlay before this index
+        (``Replayer.peek``) and could miss a row moving from one to the other."""
+        n = 0
+        with self._lock:
+            for name, p in list(self._tables.items()):
+                pend(name, p.ids.masked_select(p.mask.index_select(0, p.ids)))
+                del self._tables[name]   # (after: the row is pending in one or the other throughout)
+                self._left -= p.left
+                n += p.left
         return n
 
     def forget(self, name: str) -> None:

@@ -449,6 +449,28 @@ class Overlay(OverlayCompaction):
             have.append(rows)
             self._positive[name], self._positive_n[name] = have, n
 
+    def pend(self, name: str, rows: torch.Tensor) -> int:
+        """Rows ``rows`` (sorted, distinct) of table ``name`` are not in the working copy, and
+        a compaction has just put their newest value in a run or home: pending from there
+        (the run's slot, negated; ``HOME``). Used for an open's journal rows that no step has
+        needed yet (``PendingRows.hand_over``): applying them instead cost a copy-on-write
+        fault and a read of an image page per row, for a working copy a trim then maps afresh.
+        Returns the rows made pending. (Rows pending already are left as they are.)"""
+        if not rows.numel():
+            return 0
+        with self._lock:
+            w = self._where(name)
+            wi = w.index_select(0, rows)
+            # (>= 0: an open's journal rows are not pending from a run (attach), and the
+            # compaction gave each row it wrote a run's slot, or 0 when it went home in place)
+            ok = wi >= 0
+            rows, wi = rows.masked_select(ok), wi.masked_select(ok)
+            home = wi == 0
+            w.index_copy_(0, rows, torch.where(home, HOME, wi.neg()).to(torch.int8))
+            self._list_homed(name, rows.masked_select(home))
+            self.pending_rows += rows.numel()
+        return rows.numel()
+
     def taken(self, names) -> set:
         """Those of tables ``names`` that may have rows copied in from a run (or the image) since
         their last :meth:`repend`. (Not every table with rows listed for it: a table whose rows

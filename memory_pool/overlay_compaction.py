@@ -223,7 +223,11 @@ class OverlayCompaction:
         (``HOME``), listed for :meth:`repend`."""
         pend = w.index_select(0, rows) < 0
         w.index_copy_(0, rows, torch.where(pend, HOME, 0).to(torch.int8))
-        homed = rows.masked_select(pend)
+        self._list_homed(name, rows.masked_select(pend))
+
+    def _list_homed(self, name: str, homed: torch.Tensor) -> None:
+        """Rows ``homed`` of table ``name`` were made ``HOME`` (the lock held): listed for the
+        next remapped :meth:`repend`, which makes them not pending."""
         have = self._homed.get(name, [])
         if not homed.numel() or have is None:
             return

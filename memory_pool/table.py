@@ -84,6 +84,7 @@ class PoolStats:
     journal_rows_at_open: int = 0   # journal rows the open replayed or deferred (a DRAM cache's first trim: lookahead)
     run_rows_deferred: int = 0      # of rows_deferred, rows of the row overlay's runs (memory_pool/overlay.py)
     run_rows_replayed: int = 0      # rows of the row overlay's runs written into the working copy (by reads, an eager open, a compaction)
+    rows_handed_over: int = 0       # an open's journal rows no step needed, left unapplied: pending from where a trim put them
     bytes_to_runs: int = 0          # bytes of run files the row overlay wrote (memory_pool/overlay.py)
     pages_prefetched: int = 0       # image pages asked for before a replay or a write-back into them (0: cached)
     compact_seconds: float = 0.0    # wall time of the compactions and applies (on their background thread)

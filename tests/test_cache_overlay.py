@@ -60,6 +60,47 @@ def test_a_trim_behind_a_cache_packs_the_committed_rows_into_a_run_and_reads_the
 
 
 @pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_the_first_trim_after_an_open_leaves_the_journal_rows_no_step_needed_pending_from_their_run_or_home(
+        tmp_path, tier):
+    """Reopened on demand, a pool behind a cache has its journal's rows pending. Its first trim
+    puts them in a run (a row alone in its page) or home (a dense page) and maps the working
+    copy afresh: the rows are handed over, pending from there, not copied into the working
+    copy first (a copy-on-write fault and an image page read each, for pages dropped right
+    after). Every value reads the same, before and after another reopen."""
+    path = tmp_path / "p"
+    pool = MemoryPool.create(path, tier=tier)
+    t = pool.create_table("t", ROWS, DIM, init="uniform", seed=1)
+    sparse = torch.arange(3, ROWS // 2, 16)                                  # one row a page: a run
+    dense = torch.arange(ROWS // 2, ROWS // 2 + 16 * 64)                     # whole pages: home
+    ids = torch.cat([sparse, dense])
+    vals = torch.randn(ids.numel(), DIM)
+    t.write(ids, vals)
+    t.persist()
+    expected = t.view().clone()
+    pool.close()
+
+    with MemoryPool.open(path, replay="on-demand") as again:
+        t = again.table("t")
+        again.bound_working_copy(["t"])
+        assert again.journal_rows_pending == ids.numel()
+        assert torch.equal(t.read(ids[:10]), vals[:10])                      # (ten of them needed)
+        assert again.stats.rows_replayed == 10
+        before = image_rows(t)
+        assert again.trim_working_copy(["t"])
+        assert again.stats.rows_handed_over == ids.numel() - 10
+        assert again.stats.rows_replayed == 10                                # none applied by the trim
+        assert again.journal_rows_pending == 0
+        home = image_rows(t)
+        assert torch.equal(home[dense], vals[sparse.numel():])               # the dense pages went home
+        assert torch.equal(home[sparse], before[sparse])                     # the others into the run
+        assert again.stats.bytes_to_runs >= sparse.numel() * DIM * 4
+        assert torch.equal(t.read(ids), vals)                                 # from the run, or the image
+        assert torch.equal(t.view(), expected)
+    with MemoryPool.open(path, replay="on-demand") as third:
+        assert torch.equal(third.table("t").view(), expected)
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
 def test_rows_given_back_again_are_read_from_their_run_again(tmp_path, tier):
     """A refresh drops the working copy's copy of rows taken from a run: they are pending again,
     and read from the run again, not from the image (which holds their initial values)."""
