@@ -66,38 +66,43 @@ def test_the_first_trim_after_an_open_leaves_the_journal_rows_no_step_needed_pen
     puts them in a run (a row alone in its page) or home (a dense page) and maps the working
     copy afresh: the rows are handed over, pending from there, not copied into the working
     copy first (a copy-on-write fault and an image page read each, for pages dropped right
-    after). Every value reads the same, before and after another reopen."""
+    after). Every value reads the same -- a table the trim did not map afresh too, whose rows
+    only the overlay now says where to find -- before and after another reopen."""
     path = tmp_path / "p"
     pool = MemoryPool.create(path, tier=tier)
     t = pool.create_table("t", ROWS, DIM, init="uniform", seed=1)
+    u = pool.create_table("u", ROWS, DIM, init="uniform", seed=2)
     sparse = torch.arange(3, ROWS // 2, 16)                                  # one row a page: a run
     dense = torch.arange(ROWS // 2, ROWS // 2 + 16 * 64)                     # whole pages: home
     ids = torch.cat([sparse, dense])
-    vals = torch.randn(ids.numel(), DIM)
+    vals, uvals = torch.randn(ids.numel(), DIM), torch.randn(sparse.numel(), DIM)
     t.write(ids, vals)
+    u.write(sparse, uvals)
     t.persist()
-    expected = t.view().clone()
+    u.persist()
+    expected = {"t": t.view().clone(), "u": u.view().clone()}
     pool.close()
 
     with MemoryPool.open(path, replay="on-demand") as again:
-        t = again.table("t")
-        again.bound_working_copy(["t"])
-        assert again.journal_rows_pending == ids.numel()
+        t, u = again.table("t"), again.table("u")
+        again.bound_working_copy(["t", "u"])
+        assert again.journal_rows_pending == ids.numel() + sparse.numel()
         assert torch.equal(t.read(ids[:10]), vals[:10])                      # (ten of them needed)
         assert again.stats.rows_replayed == 10
         before = image_rows(t)
-        assert again.trim_working_copy(["t"])
-        assert again.stats.rows_handed_over == ids.numel() - 10
+        assert again.trim_working_copy(["t"])                                # (u's working copy kept)
+        assert again.stats.rows_handed_over == ids.numel() - 10 + sparse.numel()
         assert again.stats.rows_replayed == 10                                # none applied by the trim
         assert again.journal_rows_pending == 0
         home = image_rows(t)
         assert torch.equal(home[dense], vals[sparse.numel():])               # the dense pages went home
         assert torch.equal(home[sparse], before[sparse])                     # the others into the run
         assert again.stats.bytes_to_runs >= sparse.numel() * DIM * 4
+        assert torch.equal(u.read(sparse), uvals)                             # from the run: pending there
         assert torch.equal(t.read(ids), vals)                                 # from the run, or the image
-        assert torch.equal(t.view(), expected)
+        assert torch.equal(t.view(), expected["t"]) and torch.equal(u.view(), expected["u"])
     with MemoryPool.open(path, replay="on-demand") as third:
-        assert torch.equal(third.table("t").view(), expected)
+        assert all(torch.equal(third.table(n).view(), v) for n, v in expected.items())
 
 
 @pytest.mark.parametrize("tier", ["pmem", "power-sim"])
