@@ -134,7 +134,7 @@ class CacheArena(WriteBackSlots):
         self._fresh = list(fresh) if fresh is not None else [None] * len(cfg.groups)
         self.write_back = bool(write_back)
         # (a direct home's write-back: flushed at every recovery point, see cache_writeback.py)
-        self.recovery_flush = self.write_back and bool(flushed_at_recovery_points)
+        self.flushed_at_recovery_points = self.write_back and bool(flushed_at_recovery_points)
         self._init_ends()   # (the lock: WriteBackSlots)
         M = cfg.members
         self.offsets: list[list[int]] = [[0] * len(cfg.groups) for _ in range(M)]

@@ -59,7 +59,7 @@ class CacheMember:
     @property
     def flushed_at_recovery_points(self) -> bool:
         """Whether every dirty slot goes home at each recovery point (a direct home's arena)."""
-        return self.arena.recovery_flush
+        return self.arena.flushed_at_recovery_points
 
     def current(self, ids: torch.Tensor, ready=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids``' current values (cached ones from their slots), not counted as reads

@@ -107,7 +107,14 @@ class WriteBackSlots:
     def _init_ends(self) -> None:
         self._ended: collections.deque = collections.deque()   # (seq, slots to mark dirty, rows begun)
         self._lock = SettlingLock(self._settle_ended)
-        self._dirty_list = [] if self.recovery_flush else None
+        self._dirty_list = [] if self.flushed_at_recovery_points else None
+
+    @property
+    def lists_spilled(self) -> bool:
+        """Whether the rows written into the home are listed for :meth:`take_spilled`: a journaled
+        home's write-back arena, whose working copy the trainer gives back with a refresh (a
+        direct home's is exact at every recovery point: nothing to give back)."""
+        return self.write_back and not self.flushed_at_recovery_points
 
     def _ended_step(self, seq: int, gslot: torch.Tensor | None, *, began: int | None = None) -> None:
         """Batch ``seq``'s step ended (its rows written through, or ``gslot`` -- its slots in one
@@ -163,7 +170,7 @@ class WriteBackSlots:
             # (a row a refresh made pending again -- its copy from a run given back -- is taken
             # first: else a later read would take the run's older value over this one)
             self._ready(gi, rows)
-        if not self.recovery_flush:
+        if self.lists_spilled:
             self._spilled[gi].append(rows)
         for h, s in zip(g.homes, g.slots):
             h.index_copy_(0, rows, s.index_select(0, slots))
@@ -171,8 +178,8 @@ class WriteBackSlots:
 
     def wrote_home(self, gi: int, rows: torch.Tensor) -> None:
         """The pool wrote rows ``rows`` of group ``gi`` into the home (the lock held): listed for
-        :meth:`take_spilled` in a write-back arena."""
-        if self.write_back and not self.recovery_flush:
+        :meth:`take_spilled` where it :attr:`lists_spilled`."""
+        if self.lists_spilled:
             self._spilled[gi].append(rows)
 
     def _flush_whole(self) -> int:
@@ -206,7 +213,7 @@ class WriteBackSlots:
         n = 0
         t0 = time.perf_counter()
         with self._lock:
-            if gi is None and self.recovery_flush and self._whole is not None:
+            if gi is None and self.flushed_at_recovery_points and self._whole is not None:
                 n = self._flush_whole()   # (a direct home's recovery point: every group at once)
             else:
                 for i in (range(len(self.groups)) if gi is None else [gi]):
@@ -217,7 +224,7 @@ class WriteBackSlots:
                         g.dirty[d] = False
                         n += d.numel()
                     self._ndirty[i] = 0
-                if gi is None and self.recovery_flush:
+                if gi is None and self.flushed_at_recovery_points:
                     self._dirty_list = []
         self.stats.write_seconds += time.perf_counter() - t0
         self.stats.flushes += n

@@ -160,9 +160,8 @@ def _arena_rows(pairs, idx: list[int], rb: int) -> torch.Tensor:
 
 
 class RowGathering:
-    """:class:`~memory_pool.pool.MemoryPool`'s row gathering for the checkpointer, and its
-    recovery point's cache flush (uses the pool's ``_arena``, ``_tables``, ``ready`` and
-    ``_check_open``)."""
+    """:class:`~memory_pool.pool.MemoryPool`'s row gathering for the checkpointer (uses the
+    pool's ``_arena``, ``ready`` and ``_check_open``)."""
 
     rows_per_pair = staticmethod(rows_per_pair)
     copy_row_gathers = staticmethod(copy_row_gathers)
@@ -179,10 +178,3 @@ class RowGathering:
         self._check_open()
         self.ready([(t, ids) for t, ids in pairs if reads_home(t, before_images)])  # (the others: Table.current_rows)
         return row_gathers(self._arena, pairs, before_images=before_images)
-
-    def flush_caches(self) -> int:
-        """At a recovery point, before its commit: the dirty slots of every DRAM cache arena that
-        is flushed at recovery points (a direct home's: ``memory_pool/cache_writeback.py``)
-        written home. No step may be running. Returns the rows written."""
-        arenas = {id(a): a for a in (t.recovery_point_cache for t in self._tables.values()) if a is not None}
-        return sum(a.flush() for a in arenas.values())

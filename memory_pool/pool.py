@@ -183,7 +183,10 @@ class MemoryPool(RowGathering):
     def wait_compaction(self) -> None:  # (a background one, if running; its error raised)
         self._compaction.wait()
 
-    # -- row gathering for the checkpointer, a recovery point's cache flush: gather.RowGathering
+    # -- row gathering for the checkpointer: gather.RowGathering
+
+    def flush_caches(self) -> int:  # (a recovery point's: TableSet.flush_caches)
+        return self._tables.flush_caches()
 
     def arena_tensor(self, dtype: torch.dtype = torch.float32, *, on_demand: bool = False) -> torch.Tensor:
         """Every table of the pool as one flat tensor (no copy): table ``t`` starts at element

@@ -198,6 +198,13 @@ class TableSet(Mapping):
         if self.fresh.kept and self._rows:
             self.fresh.save(self._storage_dir, self._pool_id)
 
+    def flush_caches(self) -> int:
+        """At a recovery point, before its commit: the dirty slots of every DRAM cache arena that
+        is flushed at recovery points (a direct home's: ``memory_pool/cache_writeback.py``)
+        written home, each arena once. No step may be running. Returns the rows written."""
+        arenas = {id(a): a for a in (t.recovery_point_cache for t in self.values()) if a is not None}
+        return sum(a.flush() for a in arenas.values())
+
     def close(self) -> None:
         """Save the rows still at their initial value (a writer: ``FreshRows.save``, durable before
         the pool's close lets the emulated power go), then release every table's region; the arena

@@ -693,7 +693,7 @@ def test_a_direct_homes_cache_writes_each_row_home_once_a_window_and_leaves_the_
         monkeypatch.setenv("DLRM_CXL_DIRECT_WRITE_BACK", mode)
         path = root / f"direct-shm-{mode}"
         digest, summary, t = train(path, N, dram_cache_bytes=BUDGET, window=WINDOW)
-        assert digest == uncached[N] and t.model.cache_bags.arena.recovery_flush == (mode == "1")
+        assert digest == uncached[N] and t.model.cache_bags.arena.flushed_at_recovery_points == (mode == "1")
         stats[mode] = summary.pool_stats["cache"]
         assert train(path, N)[0] == uncached[N]   # (reopened, no cache: the home itself)
     assert stats["1"]["flushes"] > 0 and stats["0"]["flushes"] == 0
