@@ -274,20 +274,39 @@ def test_a_trim_keeps_the_newest_recovery_point_so_a_run_behind_a_cache_resumes_
     try:
         pool = tmp_path / "resumed"
         trims, runs = 0, []
-        # (a window of 4 steps: each resumed run's one recovery point is its last step, and trims)
+        # (a window of 2 steps: each resumed run of 4 steps has a recovery point before its last
+        # step, where it trims -- none is given back at a run's last step, Trainer.run_step)
         for steps in (8, 12, 16, 20):
-            _, summary, _ = train(pool, steps, tier="pmem", dram_cache_bytes=BUDGET, window=4)
+            _, summary, _ = train(pool, steps, tier="pmem", dram_cache_bytes=BUDGET, window=2)
             trims += summary.pool_stats["memory"]["trims"]
             # (what a run that did not trim had: journal rows its open replayed, compactions)
             runs.append({k: summary.pool_stats.get(k) for k in ("journal_rows_at_open", "compactions", "refreshes")}
                         | {"trims": summary.pool_stats["memory"]["trims"]})
-        digest = train(pool, 20, tier="pmem", dram_cache_bytes=BUDGET, window=4)[0]  # (one more open)
+        digest = train(pool, 20, tier="pmem", dram_cache_bytes=BUDGET, window=2)[0]  # (one more open)
     finally:
         del os.environ["DLRM_CXL_SEGMENT_MB"]
     # (each resumed run: its open replayed journal rows, so its one recovery point trims, whatever
     # the working copy was measured to have grown -- WorkingCopyBound.after_commit)
     assert all(r["journal_rows_at_open"] and r["trims"] >= 1 for r in runs[1:]), (trims, runs)
     assert digest == train(tmp_path / "plain", 20)[0]
+
+
+def test_a_run_gives_nothing_back_at_its_last_step_and_resumes_bit_exact(tmp_path):
+    """A resumed run behind a cache trims at its first recovery point (its open replayed journal
+    rows into the working copy) -- unless that is its last step: the pool is closed next, which
+    gives the whole working copy back, so a trim there is work for nothing (most of `dlrm-cxl
+    recover`'s time on an old `kaggle` pool, whose replay ends at that recovery point). The
+    next resume still ends bit-identical to an uninterrupted uncached run."""
+    from test_dram_cache import BUDGET, train
+
+    pool = tmp_path / "resumed"
+    train(pool, 8, tier="pmem", dram_cache_bytes=BUDGET, window=4)
+    _, last_only, _ = train(pool, 12, tier="pmem", dram_cache_bytes=BUDGET, window=4)  # (a recovery point at 12 only)
+    _, earlier, _ = train(pool, 16, tier="pmem", dram_cache_bytes=BUDGET, window=2)     # (at 14 and 16)
+    assert last_only.pool_stats["journal_rows_at_open"] and earlier.pool_stats["journal_rows_at_open"]
+    assert last_only.pool_stats["memory"]["trims"] == 0
+    assert earlier.pool_stats["memory"]["trims"] == 1   # (at 14, not at 16)
+    assert train(pool, 20, tier="pmem", dram_cache_bytes=BUDGET)[0] == train(tmp_path / "plain", 20)[0]
 
 
 @pytest.mark.parametrize("tier", ["pmem", "power-sim"])

@@ -85,6 +85,8 @@ def test_the_steady_model_writes_dense_pages_in_place_and_carries_or_appends_the
             h.compact(_window(*rows))
         assert tuple(h.written - b for h, b in zip((in_place, carry, runs), before)) == want, rows
     assert carry.live == runs.live == 0
+    # pages written in place: page 0 at once, page 1 (in place: each time it changed) at the end
+    assert (in_place.pages, carry.pages, runs.pages) == (4, 2, 2)
 
 
 def test_the_steady_model_writes_the_fullest_carried_page_in_place_past_its_bound():
@@ -100,3 +102,4 @@ def test_the_steady_model_writes_the_fullest_carried_page_in_place_past_its_boun
     runs.compact(_window(17, 49))           # run 2: 17, 49; run 1's 17 is dead, and 4 rows of runs > 3:
     assert runs.written == 2 * 264 + 2 * 264 + 264   # run 1's live row (33) moves on into run 2
     assert runs.run_bytes == {2: 3 * 264} and runs.live == 3 * 264
+    assert runs.moved == 264 and runs.pages == 0 and carry.pages == 1

@@ -44,6 +44,12 @@ settle at ~1.07 GB (9,600 steps: 1.43x since the row before, steady). With ``--d
 carried rows outgrow the bound after ~5,000 steps and the steady state is 3.15x, worse than in
 place: a 3,600-step run shows neither.
 
+Its last two columns are the runs home's pages written in place per compaction and the bytes its
+cleaning moved, since the row before: what a compaction's CPU follows -- a page home costs ~24 us
+of the machine's CPU on the 2-core VM, a row packed ~0.05 us (``tools/bench_page_rmw.py``). With
+``--every 210`` (the 1 GiB threshold at the window `kaggle` gets behind a DRAM cache) the pages
+grow from ~33 k a compaction to ~80 k at 2,520 steps and ~103 k at 5,040, with the carried rows.
+
 It reads no pool and times nothing: the counts are exact for the ids drawn. What it leaves out:
 the page cache's own write-back of pages dirtied between compactions (passes on `kaggle`); in
 ``--steady``, the reads, and the index a carried or run row needs to be found at open.
@@ -118,6 +124,8 @@ class _Home:
         self.where = [[np.full(n, -1, dtype=np.int32) for n in sizes] for _ in kinds]
         self.run_bytes: dict[int, float] = {}
         self.written = 0.0
+        self.pages = 0          # pages written in place so far (dense and evicted)
+        self.moved = 0.0        # bytes a cleaning moved from an old run into a new one so far
         self.seq = 0
 
     def compact(self, window: list[np.ndarray]) -> None:
@@ -133,6 +141,7 @@ class _Home:
                 pages, inv, cnt = np.unique(rows // per, return_inverse=True, return_counts=True)
                 full = cnt * image_bytes >= self.dense * PAGE
                 self.written += int(full.sum()) * PAGE
+                self.pages += int(full.sum())
                 where[rows[full[inv]]] = -1
                 if self.runs:   # only this window's sparse rows go into the new run
                     mine = np.flatnonzero(changed)
@@ -155,6 +164,7 @@ class _Home:
             del self.run_bytes[old]
             self.run_bytes[r] += moved
             self.written += moved
+            self.moved += moved
 
     def _count(self, run: int) -> float:
         """Bytes of the rows whose newest value is in ``run``."""
@@ -182,6 +192,7 @@ class _Home:
             per = PAGE // self.kinds[ki][0]
             self.where[ki][t][pg * per:(pg + 1) * per] = -1
             self.written += PAGE
+            self.pages += 1
             excess -= nbytes
 
     @property
@@ -204,8 +215,10 @@ def steady(a, cfg, data) -> int:
     print(f"# preset {a.preset}: a compaction every {a.every} steps; pages written in place from {a.dense:.0%} "
           f"changed; carried/run bytes bounded at {a.cap:g} MB. WA = (journal + write-back) / journal, so far")
     print(f"{'steps':>6} {'journal GB':>10} " + " ".join(f"{h.name:>14}" for h in homes) +
-          f" {'carry file MB':>13} {'run files MB':>12}   (in brackets: WA since the row before)")
+          f" {'carry file MB':>13} {'run files MB':>12} {'runs: pages/compaction':>22} {'moved MB':>8}"
+          f"   (in brackets: WA since the row before; the last two: the runs home, since the row before)")
     last_j, last_w = 0.0, [0.0] * len(homes)
+    last_pages, last_moved, last_k = 0, 0.0, 0
     report = max(1, (a.steady // a.every) // 10) * a.every
     for k in range(a.steady):
         journal += _draw(data, k, window, row_bytes, a.dense_mb)
@@ -218,8 +231,11 @@ def steady(a, cfg, data) -> int:
                 print(f"{k + 1:>6} {journal / 1e9:>10.2f} " +
                       " ".join(f"{1 + h.written / journal:>5.2f}x ({1 + (h.written - w) / (journal - last_j):.2f}x)"
                                for h, w in zip(homes, last_w)) +
-                      f" {homes[1].held / 1e6:>13.0f} {homes[2].held / 1e6:>12.0f}", flush=True)
+                      f" {homes[1].held / 1e6:>13.0f} {homes[2].held / 1e6:>12.0f}"
+                      f" {(homes[2].pages - last_pages) / ((k + 1 - last_k) // a.every):>22,.0f}"
+                      f" {(homes[2].moved - last_moved) / 1e6:>8.0f}", flush=True)
                 last_j, last_w = journal, [h.written for h in homes]
+                last_pages, last_moved, last_k = homes[2].pages, homes[2].moved, k + 1
     return 0
 
 
