@@ -97,6 +97,34 @@ def test_an_on_demand_open_applies_a_run_row_when_it_is_first_read(tmp_pool_dir,
         assert torch.equal(a.read([sparse[1]]), torch.full((1, DIM), 3.0))
 
 
+def test_a_tables_pending_run_rows_are_searched_in_their_runs_until_its_sixteenth_read_then_found_all_at_once(
+        tmp_pool_dir, runs_mb):
+    # After an open every run row is pending. A read of a few of them searches the runs they are
+    # in; only a table read again and again (SOURCE_AFTER) has all its pending rows found at once
+    # (Overlay._source): a replay after a crash reads a few steps' rows. Both ways read the same.
+    from memory_pool.overlay import SOURCE_AFTER
+
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    first = [k * PER_PAGE for k in range(0, 40, 2)]
+    second = [k * PER_PAGE + 5 for k in range(1, 41, 2)]
+    _write(pool, t, ref, first, 3)
+    pool.compact()                                        # run 1
+    _write(pool, t, ref, second + first[:4], 4)          # run 2: newer values of 4 of run 1's rows
+    pool.compact()
+    pool.close()
+    rows = sorted(first + second)
+    assert SOURCE_AFTER < len(rows)
+    with MemoryPool.open(tmp_pool_dir, replay="on-demand") as p:
+        ov, a = p._compaction.overlay, p.table("a")
+        assert len(ov.runs) == 2 and p.rows_pending == len(rows)
+        for k, r in enumerate(rows, 1):
+            assert torch.equal(a.read([r]), ref[[r]]), r
+            built = isinstance(ov._sources.get("a"), tuple)
+            assert built == (k >= SOURCE_AFTER), k
+        assert p.rows_pending == 0
+        assert torch.equal(a.view(), ref)
+
+
 @pytest.mark.parametrize("dense", [False, True], ids=["rows-copied", "rows-gathered"])
 def test_a_row_pending_from_the_run_being_written_reads_its_newest_value_from_the_compactions_plan(
         tmp_pool_dir, runs_mb, monkeypatch, dense):
