@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_page_rmw.py"
+from helpers import tool as load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_page_rmw", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_page_rmw")
 
 
 def test_the_page_rmw_bench_stores_the_rows_in_place_and_cleans_up(tmp_path, capsys, monkeypatch):
