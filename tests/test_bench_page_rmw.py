@@ -37,3 +37,10 @@ def test_the_page_rmw_bench_refuses_more_rows_than_a_page_holds(tmp_path, capsys
     with pytest.raises(SystemExit) as exc:
         _tool().main(["--dir", str(tmp_path), "--mib", "4", "--rows", "17"])
     assert exc.value.code == 2 and "--rows must be 1..16" in capsys.readouterr().err
+
+
+def test_the_page_rmw_bench_refuses_a_dir_that_is_not_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _tool().main(["--dir", str(tmp_path / "absent"), "--mib", "4", "--pages", "50"])
+    assert exc.value.code == 2 and "is not a directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
