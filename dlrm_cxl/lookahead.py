@@ -77,7 +77,7 @@ class WorkingCopyBound:
     cache's dirty slots must stay few, or the clock finds no clean slot to evict. Here, at a
     recovery point (a window's end, its transaction handed to the writer) where the working
     copy's anonymous pages (the growth of ``RssAnon`` since the last trim, or since the trainer
-    was built with the arena counted) plus the images' page cache (``mincore``, see
+    was built with the arena counted) plus the images' page cache (``cachestat``, see
     :data:`MEASURE_EVERY`) exceed what the budget leaves beside the cache arena, or where
     :data:`CLEAN_AT_DIRTY` of a group's slots are dirty, the checkpointer is
     drained and the working copy is given back (``MemoryPool.trim_working_copy``: the committed
@@ -95,14 +95,15 @@ class WorkingCopyBound:
     """
 
     MIN_ALLOWANCE = 0.125
-    # The images' page cache is measured with mincore, which walks every page of them: 105 ms
-    # on the trainer's thread for `kaggle`'s 8.8 GB (52 files), against 0.2 ms for RssAnon. So
-    # it is measured again only once this many times its last cost has passed (0.25 % of the
-    # run); in between, the last value plus a page per row and member the cache read from the
-    # home since stands in (an upper bound: with MADV_RANDOM a miss reads its own page only; ~44
-    # MB a step on `kaggle` at a quarter). That bound passes the allowance within a window or
-    # two on `kaggle`, and a refresh there costs ~14 ms against mincore's 83-105 ms: measuring
-    # more often (100 times, 1 %) took 0.66 s of the trainer's thread in 700 steps for nothing.
+    # The images' page cache is measured by the kernel (memory_pool.residency.page_cache_bytes:
+    # ``cachestat``, ~10-30 ms for `kaggle`'s 52 files and runs; ``mincore`` where the kernel has
+    # no ``cachestat``, which asks for every page: 83-105 ms), against 0.2 ms for RssAnon. So it
+    # is measured again only once this many times its last cost has passed (0.25 % of the run);
+    # in between, the last value plus a page per row and member the cache read from the home
+    # since stands in (an upper bound: with MADV_RANDOM a miss reads its own page only; ~44 MB a
+    # step on `kaggle` at a quarter). With ``mincore`` that bound passed the allowance within a
+    # window or two on `kaggle`, and a refresh there costs ~14 ms: measuring more often (100
+    # times, 1 %) took 0.66 s of the trainer's thread in 700 steps for nothing.
     MEASURE_EVERY = 400
     PAGE = 4096
 

@@ -25,9 +25,10 @@ class RowCache:
         rows, dim = home.shape
         self.capacity = min(capacity_rows, rows)
         self.slots = torch.empty(self.capacity, dim, dtype=home.dtype)
-        self.slot_row = torch.full((self.capacity,), -1, dtype=torch.int64)
-        self.row_slot = torch.full((rows,), -1, dtype=torch.int32)
-        self.stamp = torch.zeros(self.capacity, dtype=torch.int64)
+        # (the maps are made at the first lookup: a table the trainer binds to a cache arena
+        # instead -- Table.use_cache -- never uses this cache, and filling its maps cost an open
+        # of `kaggle` behind the cache 0.14 s)
+        self._maps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.tick = 0
         self.hits = 0
         self.misses = 0
@@ -45,8 +46,19 @@ class RowCache:
 
     @property
     def nbytes(self) -> int:
-        return (self.slots.numel() * self.slots.element_size() + self.row_slot.numel() * self.row_slot.element_size()
-                + self.slot_row.numel() * self.slot_row.element_size() + self.stamp.numel() * self.stamp.element_size())
+        return (self.slots.numel() * self.slots.element_size() + self.home.shape[0] * self.MAP_BYTES_PER_ROW
+                + self.capacity * self.META_BYTES_PER_SLOT)
+
+    def _made(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._maps is None:
+            self._maps = (torch.full((self.home.shape[0],), -1, dtype=torch.int32),   # row -> slot
+                          torch.full((self.capacity,), -1, dtype=torch.int64),        # slot -> row
+                          torch.zeros(self.capacity, dtype=torch.int64))              # slot's stamp
+        return self._maps
+
+    row_slot = property(lambda self: self._made()[0])
+    slot_row = property(lambda self: self._made()[1])
+    stamp = property(lambda self: self._made()[2])
 
     def read(self, ids: torch.Tensor, ready=None) -> tuple[torch.Tensor, int, int]:
         """Rows for ``ids`` (duplicates allowed). Returns (rows, bytes from DRAM, bytes from home).

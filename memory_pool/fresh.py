@@ -162,6 +162,7 @@ class FreshRows:
         self._specs: dict[str, InitSpec] = {}
         self._claimed: set[str] = set()
         self.note = ""   # why a file found at open was not used, if it was not
+        self.loaded = False   # read from a file found at open, intact (load)
         # A journaled pool's file, kept while the pool is open (see the module): its path, and
         # whether a bitmap was zeroed wholesale since it was last saved.
         self._kept: Path | None = None
@@ -325,6 +326,7 @@ class FreshRows:
                 spec = InitSpec.from_dict(t["init"])
                 if tables.get(name) == rows and spec is not None and specs.get(name) == spec:
                     out.add(name, rows, spec, np.frombuffer(blob, dtype=np.uint8).copy())
+            out.loaded = True
         except (ValueError, KeyError, TypeError, struct.error) as e:
             out = cls()
             out.note = f"{path.name} not used ({e}): every row is read from its home until the next clean close"

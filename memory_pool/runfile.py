@@ -304,11 +304,11 @@ def write_run(path: Path, gen: int, tables: dict[str, tuple[int, torch.Tensor, t
                 pwrite_all(fd, index, ioff)
                 pwrite_all(fd, head, 0)
             fileio.fdatasync(fd)
-            if not direct:
-                # (its pages are clean now: out of the page cache, which a DRAM cache's budget
-                # counts; its rows are read back a page at a time, if ever)
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            # (its pages are clean now: out of the page cache, which a DRAM cache's budget
+            # counts; its rows are read back a page at a time, if ever. The direct path too: its
+            # cut back to a size inside a page brought that last page in, to zero its tail)
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return doff + dlen
         except OSError as exc:
             raise_if_full(exc, f"writing run {path}")

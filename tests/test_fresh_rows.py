@@ -256,3 +256,21 @@ def test_a_bitmap_file_whose_table_list_is_damaged_is_dropped_too(tmp_path):
     f.write_bytes(raw[:at] + b'"seed": 6' + raw[at + 9:])
     with MemoryPool.open(path) as pool:
         assert pool.fresh.count("t") == 0 and "damaged" in pool.fresh.note
+
+
+def test_a_journaled_writer_keeps_the_intact_file_it_opened_with_as_it_is_at_its_first_persist(tmp_path, run_py):
+    """The first persist of a writer saves the bitmap only where no intact file was read at
+    the open (``TableSet.save_fresh(once=True)``: a pool made by this process). An intact one is
+    still true -- the rows the open clears are in the journal records every later open replays
+    -- and writing it again cost the first step of every resume two fsyncs. After a SIGKILL the
+    rows that writer trained are read, not created."""
+    path = make_pool(tmp_path / "p")
+    f = path / FRESH_FILE
+    before = f.stat().st_ino
+    with MemoryPool.open(path) as pool:
+        pool.table("t").write(torch.arange(4), torch.full((4, DIM), 3.0))
+        pool.persist()
+        assert f.stat().st_ino == before   # (a save renames a new file in)
+    writer_killed(run_py, path)
+    fresh, created, _ = cached_after_kill(path)
+    assert fresh == ROWS - 4 and created == 2   # (rows 4 and 5; rows 0-3 read: checked there)

@@ -138,7 +138,7 @@ def random_read_rate(root: Path, threads: int, *, size: int = 4 << 30, reads: in
 
 class PeakMemory:
     """The most DRAM a pool's trainer uses while it trains (``--peak-every``): ``RssAnon`` plus the
-    pool files' page cache (``mincore``, ~0.1 s for `kaggle`'s 10 GB of files), sampled every
+    pool files' page cache (``cachestat``, ~0.03 s for `kaggle`'s 12 GB of files; ``mincore`` 0.26 s), sampled every
     ``every`` seconds on a thread of its own. The end-of-run figure misses what a write-back pass
     or a compaction holds for a while (docs/tiering-measurements.md)."""
 
