@@ -60,25 +60,32 @@ def _step_of(line: bytes) -> tuple[str, int | None] | None:
 
 def trim_metrics(path: Path, start_step: int) -> int:
     """Drop from the metrics file ``path`` the lines a run starting at ``start_step`` records
-    again: steps after it, headers of runs that started at it or later, and lines that are not
-    valid records (a torn last line). Returns the number of lines dropped (0: the file is left
-    as it is)."""
+    again: steps after it, headers of runs that started at it or later, and a last line that is
+    not a valid record (torn by a crash). Returns the number of lines dropped (0: the file is
+    left as it is).
+
+    Only a tail is ever dropped: every run trims before it appends, so the lines before the
+    last one it keeps are in order. So the file is read from its end and cut there
+    (``truncate``), the lines before never parsed: O(lines dropped), not O(lines) -- the whole
+    file parsed and rewritten cost every resume and every ``recover`` ~25 us a step trained,
+    0.07 s at 2,800 steps and seconds for a long run. A bad line further up (not one this
+    writes) stays; :func:`read_metrics` skips it."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return 0
-    keep, dropped = [], 0
-    for line in data.splitlines(keepends=True):
+    cut, dropped = len(data), 0
+    while cut > 0:
+        start = data.rfind(b"\n", 0, cut - 1) + 1
+        line = data[start:cut]
         rec = _step_of(line)
-        if rec is None or not line.endswith(b"\n") or (rec[0] == "step" and rec[1] > start_step) \
-                or (rec[0] == "run" and rec[1] >= start_step):
-            dropped += 1
-            continue
-        keep.append(line)
+        if rec is not None and line.endswith(b"\n") and not (rec[0] == "step" and rec[1] > start_step) \
+                and not (rec[0] == "run" and rec[1] >= start_step):
+            break
+        dropped += 1
+        cut = start
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(b"".join(keep))
-        os.replace(tmp, path)
+        os.truncate(path, cut)
     return dropped
 
 

@@ -93,8 +93,11 @@ def test_a_resumed_run_drops_the_steps_it_trains_again_and_a_reader_keeps_the_la
                 + json.dumps({"step": 5, "eval": {"auc": 0.9}}) + "\n")
     got = read_metrics(tmp_path)
     assert got.loss[-1] == 55.0 and got.evals == [(5, {"auc": 0.9})] and got.checkpoint_ms[-1] is None
-    assert trim_metrics(path, 5) == 1  # (only the bad line) ...
-    assert trim_metrics(path, 5) == 0  # ... and a file with nothing to drop is left as it is
+    size = path.stat().st_size
+    assert trim_metrics(path, 5) == 0  # a file with nothing to drop at its end is left as it is
+    assert path.stat().st_size == size   # (a bad line further up: not one this writes, read_metrics skips it)
+    # (from the end: step 5's eval and loss, the bad line, the run's step 5)
+    assert trim_metrics(path, 4) == 4 and read_metrics(tmp_path).steps == [1, 2, 3, 4]
 
 
 def test_the_checkpoint_time_of_a_step_is_the_checkpointers_critical_time_in_it(tmp_path):
