@@ -39,8 +39,16 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_RANDOM = 1
+_MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
 _MADV_PAGEOUT = 21
+
+
+def will_need(addr: int, nbytes: int) -> bool:
+    """``MADV_WILLNEED`` over ``[addr, addr + nbytes)`` (``addr`` page-aligned) of a file mapping:
+    the kernel starts reading the pages not in the page cache and returns (``vfs_fadvise``'s
+    ``WILLNEED``). Advice only: returns whether it was taken."""
+    return _libc.madvise(addr, page_round(max(nbytes, 1)), _MADV_WILLNEED) == 0
 
 
 def page_round(n: int) -> int:

@@ -358,13 +358,11 @@ class Overlay(OverlayCompaction):
         return out
 
     def _source(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Table ``name``'s rows pending from a run of the open's window (sorted), and the
-        window offset of each one's value. Found once: a row only ever moves on to a newer run
-        (none of which is in the window), so an entry found here stays right for as long as
-        the row's slot still names a window run (``_values`` checks). At the table's
-        :data:`SOURCE_AFTER`-th read, not its first (until then each read searches its runs):
-        after an open every run row is pending, and finding them all took 2.2 s of `recover`'s
-        4.9 on a `kaggle` pool 2,700 steps old, whose replay reads a few thousand a table."""
+        """Table ``name``'s rows pending from a run of the open's window (sorted), and each one's
+        window offset. Found once: a row only moves on to newer runs (not in the window), so an
+        entry stays right while the row's slot names a window run (``_values`` checks). At the
+        table's :data:`SOURCE_AFTER`-th read (until then each read searches its runs): finding
+        them all took 2.2 s of `recover`'s 4.9 on a `kaggle` pool 2,700 steps old."""
         got = self._sources.get(name, 0)
         if isinstance(got, int):
             if got < SOURCE_AFTER - 1:
@@ -512,17 +510,19 @@ class Overlay(OverlayCompaction):
         return v
 
     def _verify_window(self, src: torch.Tensor, rb: int) -> None:
-        """Verify the blocks that rows at window offsets ``src`` (``rb`` bytes each) lie in:
-        one lookup for the batch; a block is checksummed the first time only."""
+        """Verify, each the first time only, the blocks that rows at window offsets ``src`` (``rb``
+        bytes each) lie in, all their pages asked for first (``Run.will_need``)."""
         which = torch.searchsorted(self._wbases, src, right=True) - 1
         rel = src - self._wbases[which]
         g = torch.cat([rel // BLOCK, (rel + rb - 1) // BLOCK]) + self._gblocks[which].repeat(2)
+        runs = torch.searchsorted(self._gblocks, g, right=True) - 1
+        for i in torch.unique(runs).tolist():
+            self._open_runs[i].will_need(g[runs == i] - self._open_runs[i].gblock)
         todo = g[torch.from_numpy(~self._gverified[g.numpy()])]
         if todo.numel():
             runs = torch.searchsorted(self._gblocks, todo, right=True) - 1
             for i in torch.unique(runs).tolist():
-                run = self._open_runs[i]
-                run.verify(todo[runs == i] - run.gblock)
+                self._open_runs[i].verify(todo[runs == i] - self._open_runs[i].gblock)
 
     def take_all(self) -> int:
         return sum(self.take(name) for name in list(self.where))

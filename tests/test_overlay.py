@@ -507,3 +507,33 @@ def test_a_run_written_with_direct_writes_is_the_same_file_as_through_the_page_c
     if file_system(tmp_path) != "tmpfs":
         assert cached[True] == 0
 
+
+
+def test_a_runs_blocks_are_asked_for_a_run_of_adjacent_blocks_at_a_time_and_come_in_untouched(tmp_path):
+    """``Run.will_need``: one ``MADV_WILLNEED`` per run of adjacent blocks, before the rows'
+    checksums and copies fault them in (a run's pages are dropped at every trim and refresh
+    behind a DRAM cache); the pages come into the page cache without a read of them here."""
+    import time
+
+    from memory_pool.residency import PAGE, page_cache_bytes
+    from memory_pool.runfile import BLOCK, write_run
+    rb, n = 1024, 400                                  # 4 rows a block, 100 blocks
+    ids = torch.arange(n) * 3
+    rows = (torch.arange(n * rb) % 251).to(torch.uint8).view(n, rb)
+    path = tmp_path / "run.bin"
+    write_run(path, 1, {"t": (rb, ids, rows, torch.empty(0, dtype=torch.int64))})   # (left out of the page cache)
+    run = Run.open(path)
+    try:
+        assert BLOCK == PAGE
+        before = page_cache_bytes([path])
+        assert run.will_need(torch.tensor([40, 41, 45, 45, 70])) == 3          # 40-41, 45, 70
+        assert run.will_need(torch.tensor([60, 59, 61])) == 1
+        assert run.will_need(torch.empty(0, dtype=torch.int64)) == 0
+        if file_system(tmp_path) != "tmpfs":   # (in memory there: nothing to tell apart)
+            deadline = time.monotonic() + 5
+            while page_cache_bytes([path]) - before < 7 * PAGE and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert page_cache_bytes([path]) - before >= 7 * PAGE
+        assert torch.equal(run.rows("t", ids[[160, 300]]), rows[[160, 300]])   # (blocks 40 and 75)
+    finally:
+        run.close()
