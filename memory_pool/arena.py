@@ -44,6 +44,13 @@ _MADV_DONTNEED = 4
 _MADV_PAGEOUT = 21
 
 
+def adjacent_runs(idx: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``(firsts, lasts)`` of the runs of adjacent indexes in ``idx`` (sorted, distinct, not
+    empty): one read request each, for the callers that ask for pages or blocks ahead."""
+    brk = torch.nonzero(idx[1:] != idx[:-1] + 1).flatten() + 1
+    return torch.cat([idx[:1], idx[brk]]).tolist(), torch.cat([idx[brk - 1], idx[-1:]]).tolist()
+
+
 def will_need(addr: int, nbytes: int) -> bool:
     """``MADV_WILLNEED`` over ``[addr, addr + nbytes)`` (``addr`` page-aligned) of a file mapping:
     the kernel starts reading the pages not in the page cache and returns (``vfs_fadvise``'s

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from crc32c import crc32c as _crc32c
 
-from .arena import PAGE, Arena, page_round, will_need
+from .arena import PAGE, Arena, adjacent_runs, page_round, will_need
 from . import fileio
 from .durable import pwrite_all, raise_if_full
 from .errors import PoolCorruptError
@@ -181,10 +181,7 @@ class Run:
         n = self.data.numel() if self.data is not None else 0
         if not n or not blocks.numel():
             return 0
-        b = torch.unique(blocks)
-        brk = torch.nonzero(b[1:] != b[:-1] + 1).flatten() + 1
-        starts = b[torch.cat([torch.zeros(1, dtype=torch.int64), brk])].tolist()
-        ends = b[torch.cat([brk - 1, torch.tensor([b.numel() - 1])])].tolist()
+        starts, ends = adjacent_runs(torch.unique(blocks))
         base = self.data.data_ptr()   # (page-aligned: the rows start on a page of the file and of the window)
         for a, e in zip(starts, ends):
             will_need(base + a * BLOCK, min((e + 1) * BLOCK, n) - a * BLOCK)

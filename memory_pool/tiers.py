@@ -40,7 +40,7 @@ import torch
 from . import fileio
 from .durable import pwrite_all, raise_if_full
 from ._native import libpmem
-from .arena import Arena
+from .arena import Arena, adjacent_runs
 from .errors import InvalidConfigError, PoolCorruptError, PoolFullError
 
 __all__ = ["TIERS", "Tier", "tier_of", "resolve_tier", "DEFAULT_TIER", "Region", "FileRegion", "open_region", "shm_root", "detect_dax",
@@ -192,9 +192,7 @@ def prefetch_if_cold(fd: int, addr: int, row_bytes: int, parts: list, *, sample:
         return 0
     start = ids * row_bytes
     pages = torch.unique(torch.cat([start // _PAGE, (start + row_bytes - 1) // _PAGE]))
-    brk = torch.nonzero(pages[1:] - pages[:-1] > 1).flatten() + 1
-    firsts = torch.cat([pages[:1], pages[brk]]).tolist()
-    lasts = torch.cat([pages[brk - 1], pages[-1:]]).tolist()
+    firsts, lasts = adjacent_runs(pages)
     try:
         for a, b in zip(firsts, lasts):
             os.posix_fadvise(fd, a * _PAGE, (b - a + 1) * _PAGE, os.POSIX_FADV_WILLNEED)
@@ -525,9 +523,7 @@ class FileRegion(Region):
         rb = self.row_bytes
         at = ids * rb
         pages = torch.unique(torch.cat([at // _PAGE, (at + rb - 1) // _PAGE]))
-        brk = torch.nonzero(pages[1:] != pages[:-1] + 1).flatten() + 1
-        starts = pages[torch.cat([torch.zeros(1, dtype=torch.int64), brk])].tolist()
-        ends = pages[torch.cat([brk - 1, torch.tensor([pages.numel() - 1])])].tolist()
+        starts, ends = adjacent_runs(pages)
         fd, will = self.fd, os.POSIX_FADV_WILLNEED
         for a, b in zip(starts, ends):
             os.posix_fadvise(fd, a * _PAGE, (b - a + 1) * _PAGE, will)

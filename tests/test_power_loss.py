@@ -703,3 +703,29 @@ def test_a_direct_tiers_open_removes_the_bitmap_durably(watched):
     fileio.unwatch(watched)
     fileio.power_on(watched)
     assert not (watched / FRESH_FILE).exists()
+
+
+def test_a_resumed_writer_that_keeps_the_intact_bitmap_file_reads_its_trained_rows_after_a_power_loss(tmp_path,
+                                                                                                      run_py):
+    """A journaled writer that opened an intact ``fresh.bits`` does not write it again at its
+    first persist (``TableSet.open_all``): the file, synced by the last clean close, still says
+    rows 0-3 are initial, and only the journal records its persist synced make them trained.
+    After an emulated power loss (the killed writer's unsynced writes undone) the open must
+    replay those records and clear rows 0-3: read as 3.0, never created; rows 4-5 created."""
+    from memory_pool.fresh import FRESH_FILE
+
+    path = tmp_path / "p"
+    _fresh_pool(path)
+    ino = (path / FRESH_FILE).stat().st_ino
+    proc = run_py(f"""
+        import os, signal, torch
+        from memory_pool import MemoryPool
+        pool = MemoryPool.open({str(path)!r})
+        pool.table("t").write(torch.arange(4), torch.full((4, 4), 3.0))
+        pool.persist()
+        assert os.stat(os.path.join({str(path)!r}, "fresh.bits")).st_ino == {ino}   # (not written again)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    values, created = _rows_after_power_on(path, torch.arange(6))
+    assert torch.equal(values[:4], torch.full((4, 4), 3.0)) and created == 2
