@@ -14,7 +14,7 @@ from .arena import PAGE, populated
 from . import fileio
 from .durable import fsync_dir
 from .records import copy_rows, row_words
-from .runfile import HEAD, Gathered, Run, RunCorruptError, rows_of, write_run
+from .runfile import HEAD, Gathered, Run, RunCorruptError, write_run
 
 __all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "HOME", "MAX_RUNS"]
 
@@ -150,8 +150,9 @@ class OverlayCompaction:
                 # (counted only when a run is cleaned, before any moves: passes over every
                 # table's ``where``, ~0.1 s of a `kaggle` compaction, that most compactions
                 # below the bound had no use for)
-                carried = sum(int(torch.count_nonzero((w != 0) & (w != HOME))) * (self.regions[n].row_bytes + 8)
-                              for n, w in self.where.items())
+                # (rows in runs: not 0, not HOME; a count of each, not a mask of both)
+                carried = sum((int(torch.count_nonzero(w)) - int(torch.count_nonzero(w == HOME)))
+                              * (self.regions[n].row_bytes + 8) for n, w in self.where.items())
                 evict = bound == 0 or carried > EVICT_FRACTION * bound
             for name, t in run.tables.items():
                 w = self.where.get(name)
@@ -168,9 +169,12 @@ class OverlayCompaction:
                     # are alone in their page of this run, not of the runs.
                     mates = self._page_mates(name, w, live, run.slot)
                     if mates.numel():
-                        rows = torch.cat([live, mates])
-                        order = torch.argsort(rows)
-                        live, vals = rows[order], torch.cat([vals, self.run_values(name, mates)]).index_select(0, order)
+                        # (disjoint: this run's live rows, and rows whose newest value is another run's)
+                        rows, at_live, at_mates = _merge_sorted(live, mates)
+                        merged = torch.empty(rows.numel(), t.row_bytes, dtype=torch.uint8)
+                        copy_rows(merged, at_live, vals)
+                        copy_rows(merged, at_mates, self.run_values(name, mates))
+                        live, vals = rows, merged
                         cur = self._plan_table(name, t.row_bytes)
                         with self._lock:
                             cur[3] = torch.unique(torch.cat([cur[3], mates]))
@@ -186,11 +190,19 @@ class OverlayCompaction:
                     # row is pending again after a trim, that was a copy-on-write fault of a
                     # page of the home per row -- 3/4 of a compaction's CPU on `kaggle` once the
                     # runs reached their bound.)
+                    # (merged, not sorted: the two are sorted and disjoint -- a row the window
+                    # changed is NEW, not this run's -- and each row is copied once; a sort of
+                    # their union and three copies of the rows were ~half of a clean's CPU)
                     cur = self._plan_table(name, t.row_bytes)
-                    ids = torch.cat([cur[1], live])
-                    order = torch.argsort(ids)
+                    ids, at_cur, at_live = _merge_sorted(cur[1], live)
+                    rows = populated(ids.numel() * t.row_bytes).view(ids.numel(), t.row_bytes)
+                    if isinstance(cur[2], Gathered):
+                        cur[2].copy_into(rows, at_cur)
+                    else:
+                        copy_rows(rows, at_cur, cur[2])
+                    copy_rows(rows, at_live, vals)
                     with self._lock:  # (ids and rows replaced together: _planned reads them)
-                        plan.tables[name] = [cur[0], ids[order], torch.cat([rows_of(cur[2]), vals])[order], cur[3]]
+                        plan.tables[name] = [cur[0], ids, rows, cur[3]]
             plan.cleaned.append(run)
             total = self.run_bytes - sum(r.nbytes for r in plan.cleaned) + new_bytes()
 
@@ -346,6 +358,18 @@ class OverlayCompaction:
         """A compaction failed half way: the overlay in memory no longer matches the files."""
         self.broken = f"{type(exc).__name__}: {exc}"
         self._plan = None
+
+
+def _merge_sorted(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(merged, places of a, places of b)`` of two sorted, distinct and disjoint int64 tensors:
+    ``merged[places of a] == a`` and ``merged[places of b] == b``. An element's place is its
+    own index plus the count of the other's elements below it."""
+    at_a = torch.searchsorted(b, a).add_(torch.arange(a.numel()))
+    at_b = torch.searchsorted(a, b).add_(torch.arange(b.numel()))
+    merged = torch.empty(a.numel() + b.numel(), dtype=torch.int64)
+    merged[at_a] = a
+    merged[at_b] = b
+    return merged, at_a, at_b
 
 
 def _isin_sorted(a: torch.Tensor, sorted_b: torch.Tensor) -> torch.Tensor:

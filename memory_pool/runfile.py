@@ -27,7 +27,7 @@ from .arena import PAGE, Arena, adjacent_runs, page_round, will_need
 from . import fileio
 from .durable import pwrite_all, raise_if_full
 from .errors import PoolCorruptError
-from .records import crc32c_extend, row_words
+from .records import copy_rows, crc32c_extend, row_words
 
 __all__ = ["Run", "RunTable", "RunCorruptError", "Gathered", "write_run", "RUN_MAGIC", "RUN_VERSION", "BLOCK", "HEAD", "ENTRY"]
 
@@ -71,6 +71,14 @@ class Gathered:
     def tensor(self) -> torch.Tensor:
         """All of them, copied."""
         return row_words(self.src).index_select(0, self.index).view(torch.uint8)
+
+    def copy_into(self, dst: torch.Tensor, places: torch.Tensor) -> None:
+        """Row ``i`` of these into ``dst[places[i]]`` (``dst`` ``[m, row bytes]`` uint8), a slice
+        at a time: the rows gathered stay in the CPU's cache until they are copied on."""
+        per = max(1, self.SLICE // self.src.shape[1])
+        words = row_words(self.src)
+        for a in range(0, self.index.numel(), per):
+            copy_rows(dst, places[a:a + per], words.index_select(0, self.index[a:a + per]).view(torch.uint8))
 
     def slices(self):
         """The rows in order, as uint8 numpy arrays of about :data:`SLICE` bytes, each valid

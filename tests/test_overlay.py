@@ -201,6 +201,45 @@ def test_runs_are_cleaned_first_in_first_out_and_their_live_rows_move_on(tmp_poo
         assert torch.equal(p.table("a").view(), ref)
 
 
+def test_a_cleaned_runs_live_rows_merge_in_order_with_a_compaction_whose_dense_pages_went_home(tmp_pool_dir, runs_mb):
+    """A compaction with dense pages keeps only its other rows for its run (gathered from the
+    records' rows when the run is written); a run cleaned meanwhile merges its live rows in
+    among them. The newest run then holds every row of both, sorted, each with its newest
+    value -- read from the run file itself -- and the pool reads the same after a reopen."""
+    from memory_pool.overlay_compaction import _merge_sorted
+
+    runs_mb(0.2)
+    g = torch.Generator().manual_seed(7)
+    pool, t, ref = _new_pool(tmp_pool_dir)
+    merged_in = 0
+    for r in range(12):
+        pages = torch.randperm(ROWS // PER_PAGE, generator=g)[:140]
+        dense = pages[:2] * PER_PAGE                     # two pages of which half the rows change: home
+        dense = (dense.unsqueeze(1) + torch.arange(PER_PAGE // 2)).flatten()
+        sparse = pages[2:] * PER_PAGE + r % PER_PAGE     # one row a page: into the run
+        _write(pool, t, ref, torch.cat([dense, sparse]), 40 + r)
+        pool.compact()
+        assert torch.equal(_image(tmp_pool_dir)[dense], ref[dense])
+        newest = Run.open(tmp_pool_dir / RUNS_DIR / _runs(tmp_pool_dir)[-1])
+        ids = newest.tables["a"].ids
+        assert torch.equal(ids, torch.unique(ids))                        # sorted, distinct
+        assert not set(dense.tolist()) & set(ids.tolist())
+        merged_in += bool(set(ids.tolist()) - set(sparse.tolist()))       # an older run's rows merged in
+        assert torch.equal(newest.rows("a", ids).view(torch.float32).view(-1, DIM), ref[ids])
+        newest.close()
+        assert torch.equal(t.view(), ref)
+    assert merged_in >= 3
+    pool.close()
+    for replay in ("eager", "on-demand"):
+        with MemoryPool.open(tmp_pool_dir, replay=replay) as p:
+            assert torch.equal(p.table("a").view(), ref), replay
+    # the merge itself, against a sort of the union
+    u = torch.randperm(10_000, generator=g)[:3000]
+    a, b = torch.sort(u[:1000])[0], torch.sort(u[1000:])[0]
+    merged, at_a, at_b = _merge_sorted(a, b)
+    assert torch.equal(merged, torch.sort(u)[0]) and torch.equal(merged[at_a], a) and torch.equal(merged[at_b], b)
+
+
 def test_an_evicted_runs_rows_take_the_newer_runs_rows_of_their_pages_home_with_them(tmp_pool_dir, runs_mb):
     """When the live rows alone pass 3/4 of the bound, the oldest run's rows go home in place --
     a page read and written each. The rows of newer runs in those pages go with them (their

@@ -14,9 +14,10 @@ none`` in every variant shows what the cache costs apart from the tier's durabil
   (``DLRM_CXL_DIRECT_WRITE_BACK=0``) instead of written back and flushed at recovery points.
 
 Each variant is a :class:`~dlrm_cxl.trainer.Trainer` driven through its API exactly as
-``Trainer.run`` drives it (plans made ``--prefetch-batches`` ahead on the prefetch thread), one
-after the other in this process (so that only one model's tables are in memory at a time), its
-pool destroyed after it. After ``--warmup`` untimed steps, a window of ``--steps`` steps is timed
+``Trainer.run`` drives it (plans made ``--prefetch-batches`` ahead on the prefetch thread), each
+in a process of its own, one after the other (so that only one model's tables are in memory at a
+time), its pool destroyed after it; with ``--interleave N`` all at once, N steps at a time in turn,
+the others stopped meanwhile (:class:`Gate`, :func:`run_interleaved`). After ``--warmup`` untimed steps, a window of ``--steps`` steps is timed
 (steady state). Printed per variant: samples/s and its ratio to ``memory``; the cache's hit rate
 (distinct rows resident when their step began, prefetched ones included), rows prefetched and the
 time steps waited for rows; the resident memory at the end (``RssAnon``, the pool files' page
@@ -32,6 +33,8 @@ Usage::
                                         # alternating, a ratio per round and their median (noise)
     python tools/bench_beyond_dram.py --warmup 2700 --steps 600 --variants pmem+cache,memory --every 150
                                         # a long run, and samples/s per 150 steps: where the compactions fall
+    python tools/bench_beyond_dram.py --warmup 2700 --steps 600 --variants memory,pmem+cache --interleave 50
+                                        # the same, both at once, 50 steps at a time in turn (the drift)
     python tools/bench_beyond_dram.py --larger-than-ram --root /mnt/big # see below; not run in the suite
 
 ``--larger-than-ram``: ``kaggle`` with the smallest row width (128, 256, ... floats) whose tables,
@@ -48,6 +51,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -166,10 +171,103 @@ class PeakMemory:
             self._thread.join()
 
 
+class Gate:
+    """``--interleave N``, the child's side: at the start of every stretch of N steps it says where
+    it is (``AT k`` on stdout) and waits for the parent's ``go`` (a line on stdin). While it waits
+    the parent stops the whole process (SIGSTOP: the prefetch thread, the journal writer and the
+    compactor too), so a variant's background work runs only in its own stretches and is paid in
+    its own time. :meth:`clock` is ``perf_counter`` less the time spent waiting. ``every`` 0: no
+    gate, the clock is ``perf_counter``."""
+
+    def __init__(self, every: int):
+        self.every, self.waited = every, 0.0
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.waited
+
+    def at(self, k: int) -> None:
+        if not self.every or (k - 1) % self.every:
+            return
+        t = time.perf_counter()
+        print(f"AT {k}", flush=True)
+        line = sys.stdin.readline()
+        self.waited += time.perf_counter() - t
+        if line.strip() != "go":
+            raise RuntimeError(f"--interleave: expected 'go' from the parent, got {line!r}")
+
+
+def run_interleaved(children: list[tuple[str, list[str], dict]]) -> tuple[dict[str, dict], list[tuple[str, int]]]:
+    """``--interleave N``, the parent's side: every variant's process at once, each brought alone
+    to its first step, then run N steps at a time in turn (every other cycle in reverse order),
+    the others stopped (SIGSTOP) at a step's start meanwhile. On this VM the speed of the machine
+    drifts by 25-35 % over a quarter of an hour (docs/tiering-measurements.md, 2026-12-07), so
+    two long variants run one after the other measure their order; in stretches of N steps both
+    see the same drift. Returns each variant's RESULT, and the turns: (variant, the step its
+    stretch began at), in the order they ran."""
+    procs: dict[str, subprocess.Popen] = {}
+    errs: dict[str, object] = {}
+    results: dict[str, dict] = {}
+    turns: list[tuple[str, int]] = []
+
+    def until_at(v: str):
+        p = procs[v]
+        for line in p.stdout:
+            if line.startswith("AT "):
+                turns.append((v, int(line.split()[1])))
+                return None
+            if line.startswith("RESULT "):
+                p.wait()
+                return json.loads(line[7:])
+        p.wait()
+        errs[v].seek(0)
+        raise RuntimeError(f"{v} failed (rc {p.returncode}):\n{errs[v].read().decode(errors='replace')[-3000:]}")
+
+    try:
+        for v, cmd, env in children:
+            errs[v] = tempfile.TemporaryFile()
+            procs[v] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[v],
+                                        text=True, env=env)
+            if (r := until_at(v)) is not None:
+                results[v] = r
+            else:
+                os.kill(procs[v].pid, signal.SIGSTOP)
+        cycle = 0
+        while len(results) < len(procs):
+            order = [v for v, _, _ in children if v not in results]
+            for v in (order if cycle % 2 == 0 else order[::-1]):
+                p = procs[v]
+                os.kill(p.pid, signal.SIGCONT)
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                if (r := until_at(v)) is not None:
+                    results[v] = r
+                else:
+                    os.kill(p.pid, signal.SIGSTOP)
+            cycle += 1
+        return results, turns
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()  # (SIGKILL ends a stopped process too)
+                p.wait()
+
+
+def base_variant(v: str) -> str:
+    """``pmem+cache`` of ``pmem+cache[DLRM_CXL_COMPACT_MB=2048]``: a variant run with an
+    environment of its own (``;`` between settings), beside the same variant without it."""
+    return v.split("[", 1)[0]
+
+
+def variant_env(v: str) -> dict[str, str]:
+    if "[" not in v or not v.endswith("]"):
+        return {}
+    return dict(kv.split("=", 1) for kv in v[v.index("[") + 1:-1].split(";") if "=" in kv)
+
+
 def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, warmup: int, steps: int,
                 prefetch: int, threads: int | None, peak_every: float = 0.0, checkpoint: str = "undo",
-                every: int = 0) -> dict:
-    pool = root / name.replace("+", "-")
+                every: int = 0, interleave: int = 0) -> dict:
+    pool = root / re.sub(r"[^A-Za-z0-9_.-]", "-", name)
     o = TrainOptions(pool=str(pool), steps=warmup + steps, tier=tier, dram_cache_bytes=budget, threads=threads,
                      progress=False, prefetch_batches=prefetch, fresh=True, checkpoint=checkpoint)
     t0 = time.perf_counter()
@@ -188,34 +286,39 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, wa
                 pass
         times, intervals = [], []
         ps = t.pool.stats
+        gate = Gate(interleave)
         yielded = (lambda: t.cores.steps_yielded if t.cores is not None else 0)
-        mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds, yielded())
+        mark = (gate.clock(), ps.compactions, ps.compact_cpu_seconds, yielded())
         with PeakMemory(t.pool, peak_every) as peak, \
                 Prefetcher(t.plan_ahead(t.source.iter_batches(None)), depth=prefetch) as batches:
             for k in range(1, warmup + steps + 1):
+                gate.at(k)
                 if k == warmup + 1:
                     t.ckpt.drain()
                     st0 = dict(arena.settled_stats()) if arena is not None else None
                     io0 = io_read_bytes()
-                    w0 = time.perf_counter()
+                    c0 = (ps.compactions, ps.compact_cpu_seconds)
+                    w0 = gate.clock()
                 batch, pos, plan = next(batches)
                 times.append(t.run_step(k, batch, pos, plan)[1])  # (as Trainer.run drives it)
                 if every and k % every == 0:
                     # (each stretch of steps on its own: a compaction's CPU shows in the stretch it ran in)
-                    now = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds, yielded())
+                    now = (gate.clock(), ps.compactions, ps.compact_cpu_seconds, yielded())
                     ov = t.pool.describe().get("overlay") or {}
                     intervals.append({"step": k, "samples_per_s": every * cfg.batch_size / (now[0] - mark[0]),
                                       "compactions": now[1] - mark[1], "compactor_cpu_s": now[2] - mark[2],
                                       "steps_on_fewer_threads": now[3] - mark[3],
                                       "run_mb": ov.get("bytes", 0) / 2**20})
-                    mark = (time.perf_counter(), ps.compactions, ps.compact_cpu_seconds, yielded())
+                    mark = (gate.clock(), ps.compactions, ps.compact_cpu_seconds, yielded())
             t.ckpt.drain()
-        window = time.perf_counter() - w0
+        window = gate.clock() - w0
         io1 = io_read_bytes()
         out = {"variant": name, "tier": tier, "budget_bytes": budget, "setup_seconds": made,
                "samples_per_s": steps * cfg.batch_size / window,
                "median_step_ms": 1e3 * statistics.median(times[warmup:]),
                "device_read_bytes_per_step": (io1 - io0) / steps if io0 >= 0 else None, "intervals": intervals,
+               # (those that ended in the timed window: a window of a few hundred steps holds one or two)
+               "compactions": ps.compactions - c0[0], "compactor_cpu_s": ps.compact_cpu_seconds - c0[1],
                # (dlrm_cxl/cores.py: off where the model's dense layers are not bit-identical on one thread fewer)
                "core_yield": bool(t.cores is not None and t.cores.enabled)}
         if arena is not None:
@@ -265,6 +368,10 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=0,
                     help="also print, per stretch of this many steps (warm-up included), each variant's samples/s, "
                          "the compactions that ended in it and the compactor's CPU (0: off)")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="run the variants' processes at once, this many steps at a time in turn, the others stopped "
+                         "(SIGSTOP) meanwhile: each variant's time is its own stretches', so the machine's drift hits "
+                         "all alike (0: one after the other; the machine needs all the variants' memory at once)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (a child: one variant, JSON on stdout)
     a = ap.parse_args(argv)
@@ -285,10 +392,10 @@ def main(argv=None) -> int:
     env = {"shm+cache-wt": {"DLRM_CXL_DIRECT_WRITE_BACK": "0"}}
     if a.one is not None:  # (a child process: one variant)
         v, k = a.one.rsplit("@", 1)
-        tier, b = spec[v]
+        tier, b = spec[base_variant(v)]
         r = run_variant(v, cfg, tier=tier, budget=b, root=root, warmup=a.warmup, steps=a.steps,
                         prefetch=int(k), threads=a.threads, peak_every=a.peak_every, checkpoint=a.checkpoint,
-                        every=a.every)
+                        every=a.every, interleave=a.interleave)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     # Each variant in a process of its own, one after the other: the resident memory of one is
@@ -297,27 +404,48 @@ def main(argv=None) -> int:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     if a.every < 0:
         ap.error(f"--every must be >= 0, got {a.every}")
+    if a.interleave < 0:
+        ap.error(f"--interleave must be >= 0, got {a.interleave}")
     results = []
     ks = [int(x) for x in str(a.prefetch_batches).split(",")]
-    runs = [(v, k) for v in variants for k in (ks if spec[v][1] is not None else ks[:1])]
+    unknown = [v for v in variants if base_variant(v) not in spec]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}: one of {', '.join(spec)}, optionally with an environment "
+                 f"in brackets, e.g. 'pmem+cache[DLRM_CXL_COMPACT_MB=2048]'")
+    runs = [(v, k) for v in variants for k in (ks if spec[base_variant(v)][1] is not None else ks[:1])]
     for rnd in range(a.rounds):
+        children = []
         for v, k in (runs if rnd % 2 == 0 else runs[::-1]):
             cmd = [sys.executable, __file__, "--one", f"{v}@{k}", "--preset", a.preset, "--fraction", str(a.fraction),
                    "--warmup", str(a.warmup), "--steps", str(a.steps), "--root", str(root)]
             cmd += ["--threads", str(a.threads)] if a.threads else []
             cmd += ["--peak-every", str(a.peak_every)] if a.peak_every > 0 else []
             cmd += ["--larger-than-ram"] if a.larger_than_ram else []
-            cmd += ["--checkpoint", a.checkpoint, "--every", str(a.every)]
-            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env.get(v, {})})
-            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-            if p.returncode or not line:
-                print(f"{v}@{k} failed (rc {p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+            cmd += ["--checkpoint", a.checkpoint, "--every", str(a.every), "--interleave", str(a.interleave)]
+            children.append((f"{v}@{k}", cmd, {**os.environ, **env.get(base_variant(v), {}), **variant_env(v)}))
+        if a.interleave:
+            try:
+                got, _ = run_interleaved(children)
+            except RuntimeError as e:
+                print(e, file=sys.stderr)
                 return 1
-            r = json.loads(line[-1][7:])
-            r["variant"] = f"{v}@{k}" if spec[v][1] is not None and len(ks) > 1 else v
+        else:
+            got = {}
+            for name, cmd, e in children:
+                p = subprocess.run(cmd, capture_output=True, text=True, env=e)
+                line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+                if p.returncode or not line:
+                    print(f"{name} failed (rc {p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+                    return 1
+                got[name] = json.loads(line[-1][7:])
+        for name, _, _ in children:
+            v, k = name.rsplit("@", 1)
+            r = got[name]
+            r["variant"] = name if spec[base_variant(v)][1] is not None and len(ks) > 1 else v
             r["round"] = rnd
             results.append(r)
-            print(json.dumps({x: r[x] for x in ("variant", "samples_per_s", "median_step_ms")}), flush=True)
+            print(json.dumps({x: r[x] for x in ("variant", "samples_per_s", "median_step_ms", "compactions",
+                                                "compactor_cpu_s")}), flush=True)
     base = {r["round"]: r["samples_per_s"] for r in results if r["variant"] == "memory"}
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
