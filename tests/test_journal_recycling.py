@@ -172,7 +172,12 @@ def test_training_over_recycled_segments_resumes_bit_exact_after_sigkill(tmp_pat
                               capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
     def recycled(jdir):
-        return {p.name for p in jdir.glob("seg-*.log") if SEG.unpack(p.read_bytes()[:SEG.size])[3] & SEG_RECYCLED}
+        # (a segment with no whole header is not a recycled one: a recycled segment's header is
+        # durable before its seg- name. One such file was seen after a clean first run on
+        # power-sim in a loaded CI run, 2026-12-07; the reader takes an empty last segment
+        # for one created and not yet written, JournalReader._scan.)
+        heads = {p.name: p.read_bytes()[:SEG.size] for p in jdir.glob("seg-*.log")}
+        return {n for n, h in heads.items() if len(h) == SEG.size and SEG.unpack(h)[3] & SEG_RECYCLED}
 
     # A clean first run: closing waits for the background compactions, so segments have been
     # reclaimed and reused by then whatever the machine's speed. (Killed in one run, whether a

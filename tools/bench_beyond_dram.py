@@ -16,9 +16,9 @@ none`` in every variant shows what the cache costs apart from the tier's durabil
 Each variant is a :class:`~dlrm_cxl.trainer.Trainer` driven through its API exactly as
 ``Trainer.run`` drives it (plans made ``--prefetch-batches`` ahead on the prefetch thread), each
 in a process of its own, one after the other (so that only one model's tables are in memory at a
-time), its pool destroyed after it; with ``--interleave N`` all at once, N steps at a time in turn,
-the others stopped meanwhile (:class:`Gate`, :func:`run_interleaved`). After ``--warmup`` untimed steps, a window of ``--steps`` steps is timed
-(steady state). Printed per variant: samples/s and its ratio to ``memory``; the cache's hit rate
+time), its pool destroyed after it; with ``--interleave N`` all at once, N steps at a time in
+turn, the others stopped meanwhile (:class:`Gate`, :func:`run_interleaved`). After ``--warmup``
+untimed steps, a window of ``--steps`` steps is timed (steady state). Printed per variant: samples/s and its ratio to ``memory``; the cache's hit rate
 (distinct rows resident when their step began, prefetched ones included), rows prefetched and the
 time steps waited for rows; the resident memory at the end (``RssAnon``, the pool files' page
 cache by ``mincore``; on shm the region, the device, apart) against the budget; and the bytes
@@ -259,6 +259,7 @@ def base_variant(v: str) -> str:
 
 
 def variant_env(v: str) -> dict[str, str]:
+    """The environment of ``pmem+cache[A=1;B=2]``: ``{"A": "1", "B": "2"}`` ({} without one)."""
     if "[" not in v or not v.endswith("]"):
         return {}
     return dict(kv.split("=", 1) for kv in v[v.index("[") + 1:-1].split(";") if "=" in kv)
