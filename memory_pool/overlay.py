@@ -516,13 +516,13 @@ class Overlay(OverlayCompaction):
         rel = src - self._wbases[which]
         g = torch.cat([rel // BLOCK, (rel + rb - 1) // BLOCK]) + self._gblocks[which].repeat(2)
         runs = torch.searchsorted(self._gblocks, g, right=True) - 1
-        for i in torch.unique(runs).tolist():
+        todo = torch.from_numpy(~self._gverified[g.numpy()])
+        held = torch.unique(runs).tolist()
+        for i in held:   # (every run's reads in flight before the first checksum waits on one)
             self._open_runs[i].will_need(g[runs == i] - self._open_runs[i].gblock)
-        todo = g[torch.from_numpy(~self._gverified[g.numpy()])]
-        if todo.numel():
-            runs = torch.searchsorted(self._gblocks, todo, right=True) - 1
-            for i in torch.unique(runs).tolist():
-                self._open_runs[i].verify(todo[runs == i] - self._open_runs[i].gblock)
+        for i in held:
+            if bool((mine := (runs == i) & todo).any()):
+                self._open_runs[i].verify(g[mine] - self._open_runs[i].gblock)
 
     def take_all(self) -> int:
         return sum(self.take(name) for name in list(self.where))

@@ -74,11 +74,13 @@ class Gathered:
 
     def copy_into(self, dst: torch.Tensor, places: torch.Tensor) -> None:
         """Row ``i`` of these into ``dst[places[i]]`` (``dst`` ``[m, row bytes]`` uint8), a slice
-        at a time: the rows gathered stay in the CPU's cache until they are copied on."""
-        per = max(1, self.SLICE // self.src.shape[1])
-        words = row_words(self.src)
-        for a in range(0, self.index.numel(), per):
-            copy_rows(dst, places[a:a + per], words.index_select(0, self.index[a:a + per]).view(torch.uint8))
+        at a time (:meth:`slices`): the rows gathered stay in the CPU's cache until they are
+        copied on."""
+        rb, at = self.src.shape[1], 0
+        for chunk in self.slices():
+            rows = torch.from_numpy(chunk).view(-1, rb)
+            copy_rows(dst, places[at:at + rows.shape[0]], rows)
+            at += rows.shape[0]
 
     def slices(self):
         """The rows in order, as uint8 numpy arrays of about :data:`SLICE` bytes, each valid

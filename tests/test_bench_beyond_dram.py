@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
+
 from helpers import tool as load_tool
 
 
@@ -44,3 +46,28 @@ def test_interleaved_variants_take_turns_of_n_steps_and_each_reports_its_own_run
     assert all(r["samples_per_s"] > 0 for r in results.values())
     assert results["pmem+cache"]["cache"]["rows_needed"] > 0 and "cache" not in results["memory"]
     assert list(tmp_path.iterdir()) == []   # (each variant's pool destroyed)
+
+
+def test_a_malformed_variant_environment_is_refused_before_anything_runs(tmp_path, capsys):
+    tool = load_tool("bench_beyond_dram")
+    assert tool.variant_env("pmem+cache[A=1;B=x=2]") == {"A": "1", "B": "x=2"}
+    assert tool.variant_env("pmem+cache") == {}
+    for bad in ("pmem+cache[DLRM_CXL_COMPACT_MB]", "pmem+cache[A=1", "pmem+cache[=1]"):
+        with pytest.raises(SystemExit) as e:
+            tool.main(["--preset", "small", "--variants", f"memory,{bad}", "--root", str(tmp_path)])
+        assert e.value.code == 2
+        assert "NAME=value" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_child_has_a_pool_of_its_own_and_a_failed_runs_pools_are_removed(tmp_path):
+    from memory_pool import MemoryPool
+
+    tool = load_tool("bench_beyond_dram")
+    children = [(f"pmem+cache@{k}", [], None) for k in (1, 2)]
+    paths = [tool.pool_dir(tmp_path, name) for name, _, _ in children]
+    assert paths[0] != paths[1]   # (two lookaheads of one variant, at once under --interleave)
+    for p in paths:
+        MemoryPool.create(p, tier="pmem").close()
+    tool.remove_pools(tmp_path, children)
+    assert list(tmp_path.iterdir()) == []

@@ -259,16 +259,38 @@ def base_variant(v: str) -> str:
 
 
 def variant_env(v: str) -> dict[str, str]:
-    """The environment of ``pmem+cache[A=1;B=2]``: ``{"A": "1", "B": "2"}`` ({} without one)."""
-    if "[" not in v or not v.endswith("]"):
+    """The environment of ``pmem+cache[A=1;B=2]``: ``{"A": "1", "B": "2"}`` ({} without one).
+    Raises ``ValueError`` naming the setting that is not ``NAME=value``."""
+    if "[" not in v:
         return {}
-    return dict(kv.split("=", 1) for kv in v[v.index("[") + 1:-1].split(";") if "=" in kv)
+    body = v[v.index("[") + 1:-1] if v.endswith("]") else None
+    bad = [kv for kv in (body or "").split(";") if "=" not in kv or not kv.split("=", 1)[0]]
+    if body is None or bad:
+        raise ValueError(f"variant {v!r}: its environment must read [NAME=value;...]"
+                         + (f", got {bad[0]!r}" if bad else ", with a closing ']'"))
+    return dict(kv.split("=", 1) for kv in body.split(";"))
 
 
-def run_variant(name: str, cfg, *, tier: str, budget: int | None, root: Path, warmup: int, steps: int,
+def pool_dir(root: Path, child: str) -> Path:
+    """Where the child ``child`` (``variant@lookahead``) makes its pool: one each, so that two
+    lookaheads of one variant run at once (``--interleave``) never share a pool."""
+    return root / re.sub(r"[^A-Za-z0-9_.-]", "-", child)
+
+
+def remove_pools(root: Path, children) -> None:
+    """The pools of ``children`` a failed or killed child left (an shm home's region too)."""
+    for name, _, _ in children:
+        path = pool_dir(root, name)
+        if path.exists():
+            try:
+                destroy_pool(path)
+            except Exception as exc:  # (one not made far enough to be a pool is refused: say where)
+                print(f"left {path}: {exc}", file=sys.stderr)
+
+
+def run_variant(name: str, cfg, *, tier: str, budget: int | None, pool: Path, warmup: int, steps: int,
                 prefetch: int, threads: int | None, peak_every: float = 0.0, checkpoint: str = "undo",
                 every: int = 0, interleave: int = 0) -> dict:
-    pool = root / re.sub(r"[^A-Za-z0-9_.-]", "-", name)
     o = TrainOptions(pool=str(pool), steps=warmup + steps, tier=tier, dram_cache_bytes=budget, threads=threads,
                      progress=False, prefetch_batches=prefetch, fresh=True, checkpoint=checkpoint)
     t0 = time.perf_counter()
@@ -394,7 +416,7 @@ def main(argv=None) -> int:
     if a.one is not None:  # (a child process: one variant)
         v, k = a.one.rsplit("@", 1)
         tier, b = spec[base_variant(v)]
-        r = run_variant(v, cfg, tier=tier, budget=b, root=root, warmup=a.warmup, steps=a.steps,
+        r = run_variant(v, cfg, tier=tier, budget=b, pool=pool_dir(root, a.one), warmup=a.warmup, steps=a.steps,
                         prefetch=int(k), threads=a.threads, peak_every=a.peak_every, checkpoint=a.checkpoint,
                         every=a.every, interleave=a.interleave)
         print("RESULT " + json.dumps(r), flush=True)
@@ -413,6 +435,11 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(unknown)}: one of {', '.join(spec)}, optionally with an environment "
                  f"in brackets, e.g. 'pmem+cache[DLRM_CXL_COMPACT_MB=2048]'")
+    for v in variants:
+        try:
+            variant_env(v)
+        except ValueError as exc:
+            ap.error(str(exc))
     runs = [(v, k) for v in variants for k in (ks if spec[base_variant(v)][1] is not None else ks[:1])]
     for rnd in range(a.rounds):
         children = []
@@ -429,7 +456,11 @@ def main(argv=None) -> int:
                 got, _ = run_interleaved(children)
             except RuntimeError as e:
                 print(e, file=sys.stderr)
+                remove_pools(root, children)
                 return 1
+            except KeyboardInterrupt:   # (run_interleaved killed the children: their pools go too)
+                remove_pools(root, children)
+                raise
         else:
             got = {}
             for name, cmd, e in children:
@@ -437,6 +468,7 @@ def main(argv=None) -> int:
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 if p.returncode or not line:
                     print(f"{name} failed (rc {p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+                    remove_pools(root, children)
                     return 1
                 got[name] = json.loads(line[-1][7:])
         for name, _, _ in children:
