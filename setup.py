@@ -1,8 +1,10 @@
 """The compiled parts: plain C functions loaded with ctypes (memory_pool/_native.py), no Python
 headers. memory_pool/_rowhash.c: rows' initial values; memory_pool/_rowsets.c: the row sets of a
-step (its distinct rows, a recovery window's first touches). Built with the package (``pip
+step (its distinct rows, a recovery window's first touches); memory_pool/_newest.c: a compaction's
+newest rows (their plan, their copies). Built with the package (``pip
 install -e .`` puts them beside their sources). Optional: without a C compiler the install goes
-on and the NumPy definitions run (memory_pool/initializers.py, memory_pool/rowsets.py)."""
+on and the NumPy or torch definitions run (memory_pool/initializers.py, memory_pool/rowsets.py,
+memory_pool/newest.py, memory_pool/records.py)."""
 
 from setuptools import Extension, setup
 
@@ -11,4 +13,5 @@ setup(ext_modules=[
               # -ffp-contract=off: no fused multiply-add (bit-identical to NumPy's two float32 roundings)
               extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"]),
     Extension("memory_pool._rowsets", ["memory_pool/_rowsets.c"], optional=True, extra_compile_args=["-O3"]),
+    Extension("memory_pool._newest", ["memory_pool/_newest.c"], optional=True, extra_compile_args=["-O3"]),
 ])

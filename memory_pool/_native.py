@@ -1,6 +1,6 @@
 """Thin ctypes bindings: PMDK's libpmem, when installed; this package's own C functions (the
-row hash, ``memory_pool/_rowhash.c``; the step's row sets, ``memory_pool/_rowsets.c``), when
-they were built.
+row hash, ``memory_pool/_rowhash.c``; the step's row sets, ``memory_pool/_rowsets.c``; a
+compaction's newest rows, ``memory_pool/_newest.c``), when they were built.
 
 libpmem (Debian ``libpmem1``) is optional. When present, persisting a range of a mapping goes
 through ``pmem_persist`` if the range is real persistent memory (``pmem_is_pmem``: a DAX
@@ -16,7 +16,8 @@ import importlib.machinery
 import os
 from pathlib import Path
 
-__all__ = ["libpmem", "LibPmem", "LIBPMEM", "rowhash", "distinct_rows", "first_touch"]
+__all__ = ["libpmem", "LibPmem", "LIBPMEM", "rowhash", "distinct_rows", "first_touch", "newest_places",
+           "copy_rows_at"]
 
 LIBPMEM = "libpmem"   # PMDK's library, as the dynamic linker names it
 
@@ -118,3 +119,15 @@ def first_touch():
     """``dlrm_first_touch`` of ``memory_pool/_rowsets.c``, or None (as :func:`distinct_rows`).
     Keeps the GIL: ~50 us on the trainer's thread."""
     return _once("_rowsets", "dlrm_first_touch", _I64, [_P, _I64, _P, _I64, _P], keep_gil=True)
+
+
+def newest_places():
+    """``dlrm_newest_places`` of ``memory_pool/_newest.c``, or None (as :func:`rowhash`; then
+    torch computes the same plan: ``memory_pool.newest.newest_places``)."""
+    return _once("_newest", "dlrm_newest_places", _I64, [_P, _I64, _I64, _P, _P, _P, _P, _P, _P])
+
+
+def copy_rows_at():
+    """``dlrm_copy_rows_at`` of ``memory_pool/_newest.c``, or None (as :func:`newest_places`;
+    then ``index_select`` and ``index_copy_``: ``memory_pool.records.copy_rows_at``)."""
+    return _once("_newest", "dlrm_copy_rows_at", _I64, [_P, _I64, _P, _P, _I64, _P, _I64, _I64])

@@ -12,6 +12,8 @@
  * not a Python module, no Python headers needed. */
 #include <stdint.h>
 
+#include "_bitmap.h"
+
 /* The distinct rows of a batch, sorted, in one numbering.
  *
  * ids[0..n): table 0's ids, then table 1's, ... (lengths[f] of table f: a KeyedJaggedTensor's
@@ -32,33 +34,11 @@ int64_t dlrm_distinct_rows(const int64_t *ids, int64_t n, const int64_t *lengths
                 bad = i;
                 break;
             }
-            const uint64_t g = (uint64_t)(b + r);
-            bits[g >> 6] |= 1ULL << (g & 63);
-            summary[g >> 12] |= 1ULL << ((g >> 6) & 63);
+            bitmap_set(bits, summary, (uint64_t)(b + r));
         }
     }
-    /* In ascending order: summary words, their set bits (words of rows), those words' set bits.
-     * Every word visited is cleared, so the bitmaps are zero again for the next batch. */
-    const int64_t words = (base[ntables] + 63) >> 6, sw = (words + 63) >> 6;
-    int64_t m = 0;
-    for (int64_t s = 0; s < sw; s++) {
-        uint64_t sb = summary[s];
-        if (!sb)
-            continue;
-        summary[s] = 0;
-        while (sb) {
-            const int64_t w = (s << 6) + __builtin_ctzll(sb);
-            sb &= sb - 1;
-            uint64_t x = bits[w];
-            bits[w] = 0;
-            if (bad >= 0)
-                continue;
-            while (x) {
-                out[m++] = (w << 6) + __builtin_ctzll(x);
-                x &= x - 1;
-            }
-        }
-    }
+    /* In ascending order, the bitmaps cleared for the next batch (nothing written on an error). */
+    const int64_t m = bitmap_drain(bits, summary, base[ntables], bad >= 0 ? (int64_t *)0 : out);
     return bad >= 0 ? -(bad + 1) : m;
 }
 

@@ -31,10 +31,12 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Sequence
 
+import numpy as np
 import torch
 
-from .arena import populated
-from .records import copy_rows, decode_row_set, decode_row_set_ids
+from ._native import newest_places as _c_newest_places
+from .arena import ReusedBuffer, populated
+from .records import copy_rows_at, decode_row_set, decode_row_set_ids
 from .segment_format import JournalCorruptError, RecordRef
 
 __all__ = ["newest_rows", "newest_mask", "newest_places"]
@@ -42,7 +44,9 @@ __all__ = ["newest_rows", "newest_mask", "newest_places"]
 
 def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
                 select: Callable[[RecordRef, str, torch.Tensor], torch.Tensor | bool | None], *,
-                reading: Callable[[], ContextManager] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                reading: Callable[[], ContextManager] | None = None,
+                buffer: ReusedBuffer | None = None,
+                scratch_buffer: ReusedBuffer | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{table: (ids, raw)}``: the newest value of every row that the ROWS records ``refs`` (in
     journal order) hold, ``ids`` sorted and distinct, ``raw`` their rows (``[n, row_bytes]``
     uint8), read with ``journal.read_payloads`` (see the module). ``sizes``: each table's rows
@@ -50,7 +54,9 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     a table count -- None for none, True for all, else a bool mask over ``ids``. A table whose
     rows all fail ``select`` in every record is not in the result. ``reading``: a context manager
     the first pass runs in (the compaction's :attr:`~memory_pool.compaction.Compaction.reading`).
-    Two tables with the same newest rows may share one ``ids`` tensor: read it, never change it."""
+    Two tables with the same newest rows may share one ``ids`` tensor: read it, never change it.
+    ``buffer``: where the rows go (the compaction's, kept between compactions), else fresh memory;
+    ``scratch_buffer``: the same for the plan's table-sized scratch (:func:`newest_mask`'s)."""
     # Pass 1: the ids. parts[table]: [(record index, section index, kept positions or None, ids)]
     parts: dict[str, list] = {}
     row_bytes: dict[str, int] = {}
@@ -62,7 +68,9 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     ids_of: dict[str, torch.Tensor] = {}
     copies: dict[int, list] = {}   # record index -> [(section, table, rows of the section, places)]
-    scratch = torch.empty(max(sizes[n] for n in parts), dtype=torch.int32) if parts else None
+    biggest = max(sizes[n] for n in parts) if parts else 0
+    scratch = scratch_buffer.get(4 * biggest).view(torch.int32) if parts and scratch_buffer is not None \
+        else torch.empty(biggest, dtype=torch.int32) if parts else None
     # (A table's places follow from its ids alone: a table whose records hold the very ids of
     # another's -- an embedding table and its optimizer state, written together -- takes them
     # from it: half of the plan's time on `kaggle`, whose 26 tables each have a state table.)
@@ -88,7 +96,7 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     # `kaggle`, ~15 % less CPU than faulting its pages in one by one as pass 2 copies).
     # (each table's rows from a multiple of 64 bytes: row_words' views of them)
     ends = [-(-kept.numel() * row_bytes[n] // 64) * 64 for n, kept in ids_of.items()]
-    at, room = 0, populated(sum(ends))
+    at, room = 0, (buffer.get if buffer is not None else populated)(sum(ends))
     for (name, kept), n in zip(ids_of.items(), ends):
         out[name] = (kept, room[at:at + kept.numel() * row_bytes[name]].view(kept.numel(), row_bytes[name]))
         at += n
@@ -99,14 +107,17 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     for k, (ref, payload) in enumerate(journal.read_payloads(refs)):
         try:
             sections = decode_row_set(payload)
-            ids = decode_row_set_ids(payload)[0]
         except ValueError as exc:
             raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name}: {exc}") from None
+        # (its ids, every table's: the sections' are consecutive views of them -- one table in
+        # each of `kaggle`'s records -- not decoded a second time)
+        ids = sections[0][1] if len(sections) == 1 else torch.cat([sec[1] for sec in sections]) if sections \
+            else heads[k][:0]
         if not torch.equal(ids, heads[k]):
             raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} changed between two reads "
                                       f"(or was not written as it was kept in memory)")
         for i, name, rows, places in copies.get(k, ()):
-            copy_rows(out[name][1], places, sections[i][2].index_select(0, rows))
+            copy_rows_at(out[name][1], places, sections[i][2], rows)
     return out
 
 
@@ -133,17 +144,38 @@ def newest_places(ids: torch.Tensor, counts: Sequence[int], rows: int, scratch: 
     ``[0, rows)``). Returns (every id once, sorted; ``[(part j, positions in it, places)]``):
     the newest value of the id at position ``positions[m]`` of part ``j`` goes to row
     ``places[m]`` of the sorted result (parts holding no newest value left out). ``scratch``:
-    :func:`newest_mask`'s."""
-    pos = newest_mask(ids, rows, scratch).nonzero().flatten()  # ascending: grouped by part
-    kept, order = torch.sort(ids.index_select(0, pos))
-    dst = torch.empty_like(order)
-    dst[order] = torch.arange(order.numel())                   # where each kept position goes
+    :func:`newest_mask`'s. Computed by ``memory_pool/_newest.c`` when it was built (the torch
+    code below is the definition; tests/test_newest_native.py compares both)."""
+    fn = _c_newest_places()
+    if fn is not None and 0 < ids.numel() < 2**31:
+        pos, kept, dst = _places_native(fn, ids, rows, scratch)
+    else:
+        pos = newest_mask(ids, rows, scratch).nonzero().flatten()  # ascending: grouped by part
+        kept, order = torch.sort(ids.index_select(0, pos))
+        dst = torch.empty_like(order)
+        dst[order] = torch.arange(order.numel())                   # where each kept position goes
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
     cuts = torch.searchsorted(pos, torch.tensor(bounds)).tolist()
     return kept, [(j, pos[cuts[j]:cuts[j + 1]] - bounds[j], dst[cuts[j]:cuts[j + 1]])
                   for j in range(len(counts)) if cuts[j] < cuts[j + 1]]
+
+
+def _places_native(fn, ids: torch.Tensor, rows: int, scratch: torch.Tensor | None):
+    """(pos, kept, dst) of :func:`newest_places` by ``dlrm_newest_places`` (see there)."""
+    ids = ids.to(torch.int64).contiguous()
+    n = ids.numel()
+    last = scratch[:rows] if (scratch is not None and scratch.dtype == torch.int32 and scratch.numel() >= rows
+                              and scratch.is_contiguous()) else torch.empty(rows, dtype=torch.int32)
+    words = (rows + 63) // 64
+    bits, summary = np.zeros(words, dtype=np.uint64), np.zeros((words + 63) // 64, dtype=np.uint64)
+    kept, pos, dst = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+    m = fn(ids.data_ptr(), n, rows, last.data_ptr(), bits.ctypes.data, summary.ctypes.data, kept.data_ptr(),
+           pos.data_ptr(), dst.data_ptr())
+    if m < 0:
+        raise ValueError(f"newest_places: id {int(ids[-m - 1])} outside the table's {rows:,} rows")
+    return pos[:m], kept[:m], dst[:m]
 
 
 def _first_pass(journal, refs, sizes, select, parts: dict, row_bytes: dict, heads: list) -> None:

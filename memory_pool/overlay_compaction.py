@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arena import PAGE, populated
+from .arena import PAGE, ReusedBuffer, populated
 from . import fileio
 from .durable import fsync_dir
-from .records import copy_rows, row_words
+from .records import copy_rows, copy_rows_at
 from .runfile import HEAD, Gathered, Run, RunCorruptError, write_run
 
 __all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "HOME", "MAX_RUNS"]
@@ -45,6 +45,8 @@ class Plan:
 
 class OverlayCompaction:
     """A compaction's part of :class:`~memory_pool.overlay.Overlay` (see the module)."""
+
+    _home_buffer = None   # the rows a compaction writes home in place, a table at a time
 
     # -- compaction (the compactor's thread; see the module docstring for the order)
     def begin(self) -> None:
@@ -82,10 +84,12 @@ class OverlayCompaction:
             cnt = torch.bincount(page, minlength=int(page[-1]) + 1 if page.numel() else 0)
             home = rows[(cnt * rb >= dense * PAGE)[page]]
         in_window = _isin_sorted(home, ids)
-        values = populated(home.numel() * rb).view(home.numel(), rb)
+        if self._home_buffer is None:   # (kept from table to table, compaction to compaction: arena.ReusedBuffer)
+            self._home_buffer = ReusedBuffer()
+        values = self._home_buffer.get(home.numel() * rb).view(home.numel(), rb)
         win, rest = in_window.nonzero().flatten(), (~in_window).nonzero().flatten()
         if win.numel():
-            copy_rows(values, win, row_words(raw).index_select(0, torch.searchsorted(ids, home[win])).view(torch.uint8))
+            copy_rows_at(values, win, raw, torch.searchsorted(ids, home[win]))
         if rest.numel():
             copy_rows(values, rest, self.run_values(name, home[rest]))
         plan.written_home += region.write_back(home, values)

@@ -39,7 +39,7 @@ from .header import HEADER
 from .journal import Journal, RecordType, decode_row_set, encode_rows, window_bytes
 from .overlay import DENSE_FRACTION
 from .newest import newest_mask, newest_places, newest_rows
-from .records import copy_rows
+from .records import copy_rows, copy_rows_at
 from .tiers import shm_root
 from .threads import one_intra_op_thread
 
@@ -136,7 +136,7 @@ def latest(parts: list, rows: int, window: Arena | None = None,
     kept, places = newest_places(ids, [p[0].numel() for p in parts], rows, scratch)
     out = torch.empty(kept.numel(), rb, dtype=torch.uint8)
     for k, local, dst in places:
-        copy_rows(out, dst, parts[k][1].index_select(0, local))
+        copy_rows_at(out, dst, parts[k][1], local)
     return kept, out
 
 
@@ -167,7 +167,7 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
 
 def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
                 dense: float = DENSE_FRACTION, resets: dict[str, int] | None = None,
-                superseded: list | None = None, reading=None) -> set[str]:
+                superseded: list | None = None, reading=None, buffers=(None, None)) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
     sorted and coalesced (compaction); or (``coalesce=False``: a few segments at a time, as they
     are sealed) record after record in journal order, the newest landing last -- no sort, and
@@ -181,7 +181,8 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     a record below ``seq`` no longer writes them (it would put an older value back). With an
     ``overlay``, the rows left out go to :meth:`Overlay.absorb` too (``superseded``): one whose
     every record here was left out is home already. ``reading``: a context manager the first of
-    :func:`~memory_pool.newest.newest_rows`' passes runs in (with an ``overlay``)."""
+    :func:`~memory_pool.newest.newest_rows`' passes runs in (with an ``overlay``); ``buffers``: the
+    :class:`~memory_pool.arena.ReusedBuffer` its rows go to and the one of its scratch."""
     parts: dict[str, list] = {}
     older = Superseded(superseded) if superseded else None
     gone: dict[str, list] = {}
@@ -197,7 +198,7 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
             gone.setdefault(name, []).append(ids[drop])
             return ~drop
         newest = newest_rows(journal, refs, {name: t.region.rows for name, t in tables.items()}, select,
-                             reading=reading)
+                             reading=reading, buffer=buffers[0], scratch_buffer=buffers[1])
         for name, (ids, raw) in newest.items():
             region = tables[name].region
             asked = region.pages_prefetched

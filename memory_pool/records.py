@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from crc32c import crc32c as _crc32c
 
+from ._native import copy_rows_at as _c_copy_rows_at
+
 # Payloads are decoded from read-only mappings of journal segments (torch.frombuffer warns about
 # non-writable buffers; the tensors are only read, and copied by whoever keeps them).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -45,7 +47,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 __all__ = ["ROW_SET", "LOGGED_MARK", "Fill", "encode_row_set", "encode_rows", "decode_row_set", "decode_row_set_ids",
            "row_set_ids_end", "decode_rows",
            "undo_group_of", "encode_logged_mark", "decode_logged_mark", "crc32c", "crc32c_extend", "part_bytes",
-           "materialize", "row_words", "copy_rows"]
+           "materialize", "row_words", "copy_rows", "copy_rows_at"]
 
 ROW_SET = struct.Struct("<4sIIIQ")        # magic, n tables, row bytes, ids offset, n rows
 _TABLE = struct.Struct("<HQ")             # name length, rows
@@ -173,6 +175,27 @@ def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torc
         dw.index_copy_(0, index, sw)
     else:
         dst.index_copy_(0, index, src)
+    return dst
+
+
+def copy_rows_at(dst: torch.Tensor, places: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``dst[places] = src[rows]`` for ``[n, row_bytes]`` uint8 rows (``places``, ``rows``: int64
+    indexes, ``places`` distinct): with ``memory_pool/_newest.c`` a memcpy a row, straight from
+    ``src`` to its place (the GIL let go); else :func:`copy_rows` of ``src.index_select(0,
+    rows)``, the definition, which copies every row twice. Raises ``IndexError`` for an index
+    out of range, as torch does. Returns ``dst``."""
+    fn = _c_copy_rows_at()
+    if (fn is None or dst.dim() != 2 or src.dim() != 2 or dst.dtype != torch.uint8 or src.dtype != torch.uint8
+            or dst.shape[1] != src.shape[1] or not dst.is_contiguous() or not src.is_contiguous()
+            or places.dtype != torch.int64 or rows.dtype != torch.int64 or places.numel() != rows.numel()):
+        return copy_rows(dst, places, src.index_select(0, rows))
+    places, rows = places.contiguous(), rows.contiguous()
+    got = fn(dst.data_ptr(), dst.shape[0], places.data_ptr(), src.data_ptr(), src.shape[0], rows.data_ptr(),
+             places.numel(), dst.shape[1])
+    if got < 0:
+        k = -got - 1
+        raise IndexError(f"copy_rows_at: row {int(rows[k])} of {src.shape[0]} to place {int(places[k])} "
+                         f"of {dst.shape[0]}: out of range")
     return dst
 
 
