@@ -174,14 +174,13 @@ class Overlay(OverlayCompaction):
                     self._win[run.slot] = run.window is not None
                     self.runs.append(run)
                 self._open_runs = list(self.runs)
-                # One "verified" array over every block of the open's runs (each run's own is a view
-                # of it): take() checks a batch's blocks with one lookup, whatever run each is in.
+                # One "verified" and one "advised" array over every block of the open's runs (each
+                # run's own are views of them): take() looks a batch's blocks up once each.
                 counts = [len(r.crcs) for r in self._open_runs]
-                self._gverified = np.zeros(sum(counts), dtype=bool)
+                self._gverified, self._gadvised = np.zeros(sum(counts), dtype=bool), np.zeros(sum(counts), dtype=bool)
                 at = 0
                 for r, c in zip(self._open_runs, counts):
-                    r.verified = self._gverified[at:at + c]
-                    r.gblock = at
+                    r.verified, r.advised, r.gblock = self._gverified[at:at + c], self._gadvised[at:at + c], at
                     at += c
                 self._wbases = torch.tensor([r.wbase for r in self._open_runs], dtype=torch.int64)
                 self._gblocks = torch.tensor([r.gblock for r in self._open_runs], dtype=torch.int64)
@@ -516,13 +515,12 @@ class Overlay(OverlayCompaction):
         rel = src - self._wbases[which]
         g = torch.cat([rel // BLOCK, (rel + rb - 1) // BLOCK]) + self._gblocks[which].repeat(2)
         runs = torch.searchsorted(self._gblocks, g, right=True) - 1
-        todo = torch.from_numpy(~self._gverified[g.numpy()])
-        held = torch.unique(runs).tolist()
-        for i in held:   # (every run's reads in flight before the first checksum waits on one)
-            self._open_runs[i].will_need(g[runs == i] - self._open_runs[i].gblock)
-        for i in held:
-            if bool((mine := (runs == i) & todo).any()):
-                self._open_runs[i].verify(g[mine] - self._open_runs[i].gblock)
+        # (only the runs with blocks not yet asked for, or not yet verified: most calls, none)
+        for want, act in ((~self._gadvised[g.numpy()], Run.will_need), (~self._gverified[g.numpy()], Run.verify)):
+            if want.any():   # (every run's reads in flight before the first checksum waits on one)
+                want = torch.from_numpy(want)
+                for i in torch.unique(runs[want]).tolist():
+                    act(self._open_runs[i], g[(runs == i) & want] - self._open_runs[i].gblock)
 
     def take_all(self) -> int:
         return sum(self.take(name) for name in list(self.where))
