@@ -307,7 +307,7 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, pool: Path, wa
                 os.close(fd)
             except OSError:
                 pass
-        times, intervals = [], []
+        times, waits, intervals = [], [], []
         ps = t.pool.stats
         gate = Gate(interleave)
         yielded = (lambda: t.cores.steps_yielded if t.cores is not None else 0)
@@ -322,7 +322,9 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, pool: Path, wa
                     io0 = io_read_bytes()
                     c0 = (ps.compactions, ps.compact_cpu_seconds)
                     w0 = gate.clock()
+                tb = gate.clock()
                 batch, pos, plan = next(batches)
+                waits.append(gate.clock() - tb)   # (the prefetch thread behind the steps)
                 times.append(t.run_step(k, batch, pos, plan)[1])  # (as Trainer.run drives it)
                 if every and k % every == 0:
                     # (each stretch of steps on its own: a compaction's CPU shows in the stretch it ran in)
@@ -339,6 +341,10 @@ def run_variant(name: str, cfg, *, tier: str, budget: int | None, pool: Path, wa
         out = {"variant": name, "tier": tier, "budget_bytes": budget, "setup_seconds": made,
                "samples_per_s": steps * cfg.batch_size / window,
                "median_step_ms": 1e3 * statistics.median(times[warmup:]),
+               # (where a mean above the median goes: slow steps, or steps waiting for their batch)
+               "mean_step_ms": 1e3 * statistics.fmean(times[warmup:]),
+               "p90_step_ms": 1e3 * statistics.quantiles(times[warmup:], n=10)[-1] if steps > 1 else None,
+               "batch_wait_ms_per_step": 1e3 * sum(waits[warmup:]) / steps,
                "device_read_bytes_per_step": (io1 - io0) / steps if io0 >= 0 else None, "intervals": intervals,
                # (those that ended in the timed window: a window of a few hundred steps holds one or two)
                "compactions": ps.compactions - c0[0], "compactor_cpu_s": ps.compact_cpu_seconds - c0[1],
@@ -477,8 +483,9 @@ def main(argv=None) -> int:
             r["variant"] = name if spec[base_variant(v)][1] is not None and len(ks) > 1 else v
             r["round"] = rnd
             results.append(r)
-            print(json.dumps({x: r[x] for x in ("variant", "samples_per_s", "median_step_ms", "compactions",
-                                                "compactor_cpu_s")}), flush=True)
+            print(json.dumps({x: r[x] for x in ("variant", "samples_per_s", "median_step_ms", "mean_step_ms", "p90_step_ms",
+                                                "batch_wait_ms_per_step", "compactions", "compactor_cpu_s")}),
+                  flush=True)
     base = {r["round"]: r["samples_per_s"] for r in results if r["variant"] == "memory"}
     print()
     print(f"{'variant':<12} {'samples/s':>10} {'x memory':>8} {'hit rate':>8} {'wait ms':>8} {'home MB/st':>10} "
