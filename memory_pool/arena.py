@@ -19,18 +19,16 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import weakref
 
 import torch
 
-__all__ = ["Arena", "PAGE", "page_round", "populated", "ReusedBuffer"]
+__all__ = ["Arena", "PAGE", "page_round", "populated"]
 
 PAGE = mmap.PAGESIZE
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, mmap.PROT_READ, mmap.PROT_WRITE
 _MAP_SHARED, _MAP_PRIVATE, _MAP_ANON = mmap.MAP_SHARED, mmap.MAP_PRIVATE, mmap.MAP_ANONYMOUS
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 _FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -74,59 +72,6 @@ def populated(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     m = mmap.mmap(-1, page_round(nbytes), flags=_MAP_PRIVATE | _MAP_ANON | getattr(mmap, "MAP_POPULATE", 0))
     return torch.frombuffer(m, dtype=torch.uint8)[:nbytes]
-
-
-class _Mapping:
-    """``nbytes`` of anonymous memory, populated; unmapped when the last reference goes."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        self.addr = _mmap(None, nbytes, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANON | _MAP_POPULATE)
-        weakref.finalize(self, _libc.munmap, self.addr, nbytes)
-
-
-class ReusedBuffer:
-    """A large buffer handed out again and again -- a compaction's newest rows, compaction after
-    compaction -- whose pages stay present between uses, instead of :func:`populated` afresh.
-
-    Why: this VM (Firecracker; the kernel's free page reporting, ``page_reporting_order=11``)
-    hands memory that stays free back to the host, and touching it again costs a fault on the
-    host too. With another process churning memory beside it (``tools/bench_beyond_dram.py
-    --interleave``), populating a compaction's fresh ~250 MB took 2.7-3.5 s of the compactor's
-    CPU, against ~0.1 s when the pages were still the guest's. Kept, those pages count in the
-    resident memory between compactions too: the budget's slack (README) already holds one
-    compaction's rows.
-
-    :meth:`get` returns a uint8 tensor of ``nbytes`` (contents undefined: the caller fills it).
-    The memory is reused only when no view of the last one handed out is alive (a weak
-    reference to the ctypes array the views are made from; the mapping lives while any does),
-    else the call gets fresh memory. One caller thread at a time."""
-
-    def __init__(self):
-        self._map: _Mapping | None = None
-        self._live: weakref.ref | None = None
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        if nbytes < (1 << 20):
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if self._live is not None and self._live() is not None:
-            return populated(nbytes)   # (the last one's views still alive: never shared)
-        if self._map is None or self._map.nbytes < nbytes:
-            self._map = None   # (the old one goes first: never both held by this)
-            self._map = _Mapping(page_round(nbytes + nbytes // 8))   # (room for a little more next time)
-        arr = (ctypes.c_uint8 * nbytes).from_address(self._map.addr)
-        arr.mapping = self._map   # (the memory stays while any view of it does)
-        self._live = weakref.ref(arr)
-        return torch.frombuffer(arr, dtype=torch.uint8)
-
-    @property
-    def held(self) -> int:
-        """Bytes kept between uses."""
-        return self._map.nbytes if self._map is not None else 0
-
-    def release(self) -> None:
-        """Keep nothing between uses any more (the memory goes with the last view of it)."""
-        self._map = self._live = None
 
 
 def _mmap(addr, length, prot, flags, fd=-1, off=0) -> int:

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from typing import Callable
 
-from .arena import ReusedBuffer
 from .journal import Journal, RecordType
 from .overlay import DEFAULT_BOUND, DENSE_FRACTION, RUNS_DIR, Overlay
 from .record_heads import RecordHeads
@@ -81,9 +80,6 @@ class Compaction:
         # table's pending rows until its reset is committed: see images_held.
         self._image_lock = threading.RLock()
         self._compactor = Compactor()
-        # Where a compaction's newest rows and its plan's scratch go, kept from one to the next
-        # (arena.ReusedBuffer: why).
-        self._buffers = (ReusedBuffer(), ReusedBuffer())
         # A background compaction is only reading its journal in (JournalReader.preread): no
         # CPU of its own, so the steps keep every intra-op thread (computing, dlrm_cxl/cores.py).
         self.reading = False
@@ -163,8 +159,6 @@ class Compaction:
     def close(self) -> None:
         """Wait for a running job and stop the thread; close the overlay."""
         self._compactor.shutdown()
-        for b in self._buffers:
-            b.release()
         if self.overlay is not None:
             self.overlay.close()
             self.overlay = None
@@ -329,7 +323,7 @@ class Compaction:
         if pending:
             written = absorb_rows(self.journal, self._tables, pending, self.stats, coalesce=coalesce,
                                   overlay=overlay, dense=dense, resets=self.resets, superseded=self._refreshed,
-                                  reading=self._reading if preread else None, buffers=self._buffers)
+                                  reading=self._reading if preread else None)
             self._unsynced |= written
             # (absorb_rows' views of the segments are gone: their pages can go too)
             self.journal.forget_read(pending)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ._native import newest_places as _c_newest_places
-from .arena import ReusedBuffer, populated
+from .arena import populated
 from .records import copy_rows_at, decode_row_set, decode_row_set_ids
 from .segment_format import JournalCorruptError, RecordRef
 
@@ -44,9 +44,7 @@ __all__ = ["newest_rows", "newest_mask", "newest_places"]
 
 def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
                 select: Callable[[RecordRef, str, torch.Tensor], torch.Tensor | bool | None], *,
-                reading: Callable[[], ContextManager] | None = None,
-                buffer: ReusedBuffer | None = None,
-                scratch_buffer: ReusedBuffer | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                reading: Callable[[], ContextManager] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{table: (ids, raw)}``: the newest value of every row that the ROWS records ``refs`` (in
     journal order) hold, ``ids`` sorted and distinct, ``raw`` their rows (``[n, row_bytes]``
     uint8), read with ``journal.read_payloads`` (see the module). ``sizes``: each table's rows
@@ -54,9 +52,7 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     a table count -- None for none, True for all, else a bool mask over ``ids``. A table whose
     rows all fail ``select`` in every record is not in the result. ``reading``: a context manager
     the first pass runs in (the compaction's :attr:`~memory_pool.compaction.Compaction.reading`).
-    Two tables with the same newest rows may share one ``ids`` tensor: read it, never change it.
-    ``buffer``: where the rows go (the compaction's, kept between compactions), else fresh memory;
-    ``scratch_buffer``: the same for the plan's table-sized scratch (:func:`newest_mask`'s)."""
+    Two tables with the same newest rows may share one ``ids`` tensor: read it, never change it."""
     # Pass 1: the ids. parts[table]: [(record index, section index, kept positions or None, ids)]
     parts: dict[str, list] = {}
     row_bytes: dict[str, int] = {}
@@ -68,9 +64,7 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     ids_of: dict[str, torch.Tensor] = {}
     copies: dict[int, list] = {}   # record index -> [(section, table, rows of the section, places)]
-    biggest = max(sizes[n] for n in parts) if parts else 0
-    scratch = scratch_buffer.get(4 * biggest).view(torch.int32) if parts and scratch_buffer is not None \
-        else torch.empty(biggest, dtype=torch.int32) if parts else None
+    scratch = torch.empty(max(sizes[n] for n in parts), dtype=torch.int32) if parts else None
     # (A table's places follow from its ids alone: a table whose records hold the very ids of
     # another's -- an embedding table and its optimizer state, written together -- takes them
     # from it: half of the plan's time on `kaggle`, whose 26 tables each have a state table.)
@@ -96,7 +90,7 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
     # `kaggle`, ~15 % less CPU than faulting its pages in one by one as pass 2 copies).
     # (each table's rows from a multiple of 64 bytes: row_words' views of them)
     ends = [-(-kept.numel() * row_bytes[n] // 64) * 64 for n, kept in ids_of.items()]
-    at, room = 0, (buffer.get if buffer is not None else populated)(sum(ends))
+    at, room = 0, populated(sum(ends))
     for (name, kept), n in zip(ids_of.items(), ends):
         out[name] = (kept, room[at:at + kept.numel() * row_bytes[name]].view(kept.numel(), row_bytes[name]))
         at += n

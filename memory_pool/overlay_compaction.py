@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arena import PAGE, ReusedBuffer, populated
+from .arena import PAGE, populated
 from . import fileio
 from .durable import fsync_dir
 from .records import copy_rows, copy_rows_at
@@ -45,8 +45,6 @@ class Plan:
 
 class OverlayCompaction:
     """A compaction's part of :class:`~memory_pool.overlay.Overlay` (see the module)."""
-
-    _home_buffer = None   # the rows a compaction writes home in place, a table at a time
 
     # -- compaction (the compactor's thread; see the module docstring for the order)
     def begin(self) -> None:
@@ -84,9 +82,7 @@ class OverlayCompaction:
             cnt = torch.bincount(page, minlength=int(page[-1]) + 1 if page.numel() else 0)
             home = rows[(cnt * rb >= dense * PAGE)[page]]
         in_window = _isin_sorted(home, ids)
-        if self._home_buffer is None:   # (kept from table to table, compaction to compaction: arena.ReusedBuffer)
-            self._home_buffer = ReusedBuffer()
-        values = self._home_buffer.get(home.numel() * rb).view(home.numel(), rb)
+        values = populated(home.numel() * rb).view(home.numel(), rb)
         win, rest = in_window.nonzero().flatten(), (~in_window).nonzero().flatten()
         if win.numel():
             copy_rows_at(values, win, raw, torch.searchsorted(ids, home[win]))

@@ -167,7 +167,7 @@ def replay_rows(rows: torch.Tensor, parts: list) -> int:
 
 def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool = True, overlay=None,
                 dense: float = DENSE_FRACTION, resets: dict[str, int] | None = None,
-                superseded: list | None = None, reading=None, buffers=(None, None)) -> set[str]:
+                superseded: list | None = None, reading=None) -> set[str]:
     """Write the ROWS of journal records back into the table images: newest value per row,
     sorted and coalesced (compaction); or (``coalesce=False``: a few segments at a time, as they
     are sealed) record after record in journal order, the newest landing last -- no sort, and
@@ -181,8 +181,7 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
     a record below ``seq`` no longer writes them (it would put an older value back). With an
     ``overlay``, the rows left out go to :meth:`Overlay.absorb` too (``superseded``): one whose
     every record here was left out is home already. ``reading``: a context manager the first of
-    :func:`~memory_pool.newest.newest_rows`' passes runs in (with an ``overlay``); ``buffers``: the
-    :class:`~memory_pool.arena.ReusedBuffer` its rows go to and the one of its scratch."""
+    :func:`~memory_pool.newest.newest_rows`' passes runs in (with an ``overlay``)."""
     parts: dict[str, list] = {}
     older = Superseded(superseded) if superseded else None
     gone: dict[str, list] = {}
@@ -198,7 +197,7 @@ def absorb_rows(journal: Journal, tables: dict, refs, stats, *, coalesce: bool =
             gone.setdefault(name, []).append(ids[drop])
             return ~drop
         newest = newest_rows(journal, refs, {name: t.region.rows for name, t in tables.items()}, select,
-                             reading=reading, buffer=buffers[0], scratch_buffer=buffers[1])
+                             reading=reading)
         for name, (ids, raw) in newest.items():
             region = tables[name].region
             asked = region.pages_prefetched

@@ -307,34 +307,3 @@ def test_a_populated_buffer_is_zeroed_and_its_pages_are_present_before_the_first
     unpopulated = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)   # (fresh pages: faults seen)
     assert faults_writing(buf) < 64 < faults_writing(unpopulated)
     assert int(buf.min()) == 1
-
-
-def test_a_reused_buffer_is_handed_out_again_only_once_no_view_of_it_is_left():
-    """``ReusedBuffer``: a compaction's rows go to the same pages compaction after compaction
-    (fresh ones cost the host's faults again on this VM), but never while a view of the last
-    use is alive: that would overwrite rows someone still reads."""
-    import gc
-
-    from memory_pool.arena import ReusedBuffer
-    buf = ReusedBuffer()
-    first = buf.get(3 << 20)
-    at = first.data_ptr()
-    first.fill_(7)
-    kept = first[100:200].view(10, 10)   # (a view, as newest_rows' per-table rows are)
-    del first
-    other = buf.get(2 << 20)
-    assert other.data_ptr() != at   # a view of the last one alive: fresh memory
-    assert bool((kept == 7).all())
-    other.fill_(1)
-    assert bool((kept == 7).all())
-    del kept, other
-    gc.collect()
-    again = buf.get(2 << 20)
-    assert again.data_ptr() == at and int(again[150]) == 7   # the same pages, as they were left
-    assert buf.held >= 3 << 20
-    del again
-    bigger = buf.get(8 << 20)   # more than it holds: a larger mapping
-    assert bigger.numel() == 8 << 20 and buf.held >= 8 << 20
-    bigger.fill_(3)
-    buf.release()
-    assert buf.held == 0 and int(bigger[-1]) == 3   # (the memory stays with its last view)
