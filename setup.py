@@ -12,6 +12,9 @@ setup(ext_modules=[
     Extension("memory_pool._rowhash", ["memory_pool/_rowhash.c"], optional=True,
               # -ffp-contract=off: no fused multiply-add (bit-identical to NumPy's two float32 roundings)
               extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"]),
-    Extension("memory_pool._rowsets", ["memory_pool/_rowsets.c"], optional=True, extra_compile_args=["-O3"]),
-    Extension("memory_pool._newest", ["memory_pool/_newest.c"], optional=True, extra_compile_args=["-O3"]),
+    # (depends: a change of the shared header rebuilds both)
+    Extension("memory_pool._rowsets", ["memory_pool/_rowsets.c"], depends=["memory_pool/_bitmap.h"], optional=True,
+              extra_compile_args=["-O3"]),
+    Extension("memory_pool._newest", ["memory_pool/_newest.c"], depends=["memory_pool/_bitmap.h"], optional=True,
+              extra_compile_args=["-O3"]),
 ])

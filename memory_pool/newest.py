@@ -105,8 +105,7 @@ def newest_rows(journal, refs: Sequence[RecordRef], sizes: dict[str, int],
             raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name}: {exc}") from None
         # (its ids, every table's: the sections' are consecutive views of them -- one table in
         # each of `kaggle`'s records -- not decoded a second time)
-        ids = sections[0][1] if len(sections) == 1 else torch.cat([sec[1] for sec in sections]) if sections \
-            else heads[k][:0]
+        ids = sections[0][1] if len(sections) == 1 else torch.cat([sec[1] for sec in sections] or [heads[k][:0]])
         if not torch.equal(ids, heads[k]):
             raise JournalCorruptError(f"journal record {ref.seq} in {ref.segment.name} changed between two reads "
                                       f"(or was not written as it was kept in memory)")
@@ -187,6 +186,11 @@ def _first_pass(journal, refs, sizes, select, parts: dict, row_bytes: dict, head
             mine, at = ids[at:at + count], at + count
             if name not in sizes:
                 raise JournalCorruptError(f"journal record {ref.seq} holds rows of an unknown table {name!r}")
+            # (here, not in the plan: the C plan and the torch one would each fail their own way)
+            if count and (int(mine.min()) < 0 or int(mine.max()) >= sizes[name]):
+                bad = int(mine[(mine < 0) | (mine >= sizes[name])][0])
+                raise JournalCorruptError(f"journal record {ref.seq} holds row {bad} of {name!r}, which has "
+                                          f"{sizes[name]:,} rows")
             keep = select(ref, name, mine)
             if keep is None:
                 continue

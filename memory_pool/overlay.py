@@ -514,10 +514,12 @@ class Overlay(OverlayCompaction):
         which = torch.searchsorted(self._wbases, src, right=True) - 1
         rel = src - self._wbases[which]
         g = torch.cat([rel // BLOCK, (rel + rb - 1) // BLOCK]) + self._gblocks[which].repeat(2)
-        runs = torch.searchsorted(self._gblocks, g, right=True) - 1
+        gi, runs = g.numpy(), None
         # (only the runs with blocks not yet asked for, or not yet verified: most calls, none)
-        for want, act in ((~self._gadvised[g.numpy()], Run.will_need), (~self._gverified[g.numpy()], Run.verify)):
+        for want, act in ((~self._gadvised[gi], Run.will_need), (~self._gverified[gi], Run.verify)):
             if want.any():   # (every run's reads in flight before the first checksum waits on one)
+                if runs is None:
+                    runs = torch.searchsorted(self._gblocks, g, right=True) - 1
                 want = torch.from_numpy(want)
                 for i in torch.unique(runs[want]).tolist():
                     act(self._open_runs[i], g[(runs == i) & want] - self._open_runs[i].gblock)

@@ -125,15 +125,13 @@ def latest(parts: list, rows: int, window: Arena | None = None,
         return torch.empty(0, dtype=torch.int64), torch.empty(0, 0, dtype=torch.uint8)
     ids = torch.cat([p[0] for p in parts])
     rb = parts[0][1].shape[1]
-    if window is not None and all(_in_window(raw, window) for _, raw in parts):
-        pos = newest_mask(ids, rows, scratch).nonzero().flatten()   # ascending positions: grouped by part
-        kept, order = torch.sort(ids[pos])
-        bounds = torch.tensor([0] + [p[0].numel() for p in parts]).cumsum(0)
-        base = torch.tensor([raw.data_ptr() - window.base for _, raw in parts], dtype=torch.int64)
-        part = torch.searchsorted(bounds, pos, right=True) - 1
-        src = base[part] + (pos - bounds[part]) * rb
-        return kept, window.rows_at_every_offset(rb).index_select(0, src.index_select(0, order))
     kept, places = newest_places(ids, [p[0].numel() for p in parts], rows, scratch)
+    if window is not None and all(_in_window(raw, window) for _, raw in parts):
+        # (each kept row's offset in the window, in row order: one gather of them all)
+        src = torch.empty(kept.numel(), dtype=torch.int64)
+        for k, local, dst in places:
+            src[dst] = (parts[k][1].data_ptr() - window.base) + local * rb
+        return kept, window.rows_at_every_offset(rb).index_select(0, src)
     out = torch.empty(kept.numel(), rb, dtype=torch.uint8)
     for k, local, dst in places:
         copy_rows_at(out, dst, parts[k][1], local)

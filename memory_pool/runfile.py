@@ -132,8 +132,9 @@ class Run:
     advised: np.ndarray = field(repr=False, default=None)
 
     def __post_init__(self):
-        if self.advised is None:
-            self.advised = np.zeros(len(self.crcs), dtype=bool)
+        for name in ("verified", "advised"):   # (a bool a block; an open's runs get views of one array)
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(len(self.crcs), dtype=bool))
 
     @classmethod
     def open(cls, path: Path, window: Arena | None = None) -> "Run":
@@ -173,8 +174,8 @@ class Run:
                 data = torch.empty(0, dtype=torch.uint8)
         finally:
             os.close(fd)
-        return cls(path, gen, size, tables, data, crcs, np.zeros(len(crcs), dtype=bool), 0, mm,
-                   window if mm is None and dlen else None, wbase)
+        return cls(path, gen, size, tables, data, crcs, _mm=mm, window=window if mm is None and dlen else None,
+                   wbase=wbase)
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """The values of rows ``ids`` (sorted or not, all held by this run's table ``name``) as

@@ -160,12 +160,20 @@ def test_ids_that_read_differently_the_second_time_are_refused(tmp_path, monkeyp
         newest_rows(j, refs, SIZES, lambda *a: True)
 
 
-@pytest.mark.parametrize("defect", ["unknown table", "another row size"])
+@pytest.mark.parametrize("defect", ["unknown table", "another row size", "a row past its table"])
 def test_a_record_of_an_unknown_table_or_of_another_row_size_is_refused(tmp_path, defect):
     j, written = write_records(tmp_path / "journal", records=3)
     if defect == "unknown table":
         sizes = {"a": SIZES["a"]}
         match = "unknown table 'b'"
+    elif defect == "a row past its table":
+        # (checked before the plan: the C plan and the torch one would each fail their own way)
+        sizes = SIZES
+        seq = j.next_seq
+        j.append(RecordType.ROWS, 9, encode_row_set([("a", torch.tensor([3, SIZES["a"] + 7]))], torch.zeros(2, DIM)))
+        j.end(9, {"step": 9})
+        written.append((next(r for t in j.txns for r in t.records if r.seq == seq), None))
+        match = f"holds row {SIZES['a'] + 7} of 'a', which has {SIZES['a']} rows"
     else:
         sizes = SIZES
         seq = j.next_seq
