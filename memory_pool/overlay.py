@@ -251,14 +251,14 @@ class Overlay(OverlayCompaction):
         raise RunCorruptError(f"{self.dir}: no run in slot {slot}")
 
     def run_values(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """The newest run values of ``rows`` (every one held by a run: ``where`` > 0)."""
+        """The newest run values of ``rows`` (each held by a run), for a compaction: in bulk."""
         w = self.where[name]
         rb = self.regions[name].row_bytes
         out = torch.empty(rows.numel(), rb, dtype=torch.uint8)
         slots = w[rows].abs()
         for s in torch.unique(slots).tolist():
             sel = (slots == s).nonzero().flatten()
-            out[sel] = self._run(s).rows(name, rows[sel])
+            out[sel] = self._run(s).rows(name, rows[sel], bulk=True)
         return out
 
     # -- the working copy (replay, eager or on demand)

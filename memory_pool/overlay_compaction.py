@@ -161,7 +161,7 @@ class OverlayCompaction:
                 live = t.ids[w[t.ids].abs() == run.slot]
                 if not live.numel():
                     continue
-                vals = run.rows(name, live)
+                vals = run.rows(name, live, bulk=True)
                 if evict:
                     # Each page is read and written whole, so the rows of newer runs in the
                     # same pages go home with these (``_page_mates``), tombstoned in the new run

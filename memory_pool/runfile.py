@@ -34,6 +34,9 @@ __all__ = ["Run", "RunTable", "RunCorruptError", "Gathered", "write_run", "RUN_M
 RUN_MAGIC = b"DCXRUN01"
 RUN_VERSION = 1
 BLOCK = 4096                      # rows are verified this much at a time
+BULK_ROWS = 1024                  # Run.rows(bulk=True): from this many rows, large direct reads
+SPAN = 1 << 20                    # ... of at most this many bytes
+GAP_BLOCKS = 24                   # ... reading through gaps of up to this many blocks (~15 us a request, 0.6 a block)
 HEAD = struct.Struct("<8sIIQQQQQI")   # magic, version, tables, gen, index off, index len, data off, data len, block
 ENTRY = struct.Struct("<HIQQQ")       # name length, row bytes, rows, tombstones, rows' start in the data
 
@@ -125,6 +128,7 @@ class Run:
     _mm: mmap.mmap | None = field(repr=False, default=None)
     window: Arena | None = field(repr=False, default=None)   # mapped there (an open's runs), at wbase
     wbase: int = 0
+    data_off: int = 0                  # where the rows start in the file (page-aligned)
     gblock: int = 0                    # (an open's runs: its first block in the overlay's "verified")
     # Blocks asked for (``will_need``) since the run's pages were last dropped (``drop_cache``):
     # advice only, so a race that loses a mark costs a request, one that keeps a stale mark a
@@ -175,19 +179,88 @@ class Run:
         finally:
             os.close(fd)
         return cls(path, gen, size, tables, data, crcs, _mm=mm, window=window if mm is None and dlen else None,
-                   wbase=wbase)
+                   wbase=wbase, data_off=doff)
 
-    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, name: str, ids: torch.Tensor, *, bulk: bool = False) -> torch.Tensor:
         """The values of rows ``ids`` (sorted or not, all held by this run's table ``name``) as
-        ``[n, row_bytes]`` uint8, their blocks verified first."""
+        ``[n, row_bytes]`` uint8, their blocks verified first. ``bulk`` (a compaction's reads):
+        at least :data:`BULK_ROWS` rows are read from the file in large direct reads
+        (:meth:`_read_rows`), not faulted in a page at a time."""
         t = self.tables[name]
         pos = torch.searchsorted(t.ids, ids)
         rb = t.row_bytes
         off = t.start + pos * rb
+        if bulk and ids.numel() >= BULK_ROWS and self.data is not None and self.data_off:
+            return self._read_rows(off.numpy(), rb)
         blocks = torch.cat([off // BLOCK, (off + rb - 1) // BLOCK])
         self.will_need(blocks)
         self.verify(blocks)
         return self.data[t.start:t.start + t.ids.numel() * rb].view(-1, rb).index_select(0, pos)
+
+    def _read_rows(self, off: np.ndarray, rb: int) -> torch.Tensor:
+        """Rows of ``rb`` bytes at data offsets ``off`` (one table's, so all ``rb`` apart modulo
+        ``rb``; any order), read from the file in spans of at most :data:`SPAN` bytes (gaps of up to
+        :data:`GAP_BLOCKS` blocks read through), with ``O_DIRECT`` where the file system allows
+        it; each block verified from what was read. Nothing goes through the page cache: the
+        DRAM budget counts it, and a trim would drop it again.
+
+        Why: a compaction behind a DRAM cache reads the rows it carries home or moves on from
+        runs whose pages every trim dropped, 80-170k rows on `kaggle` at the runs' bound, each
+        alone in its 4 KiB page of the runs. On this 2-core VM a page read costs 13-20 us of the
+        machine's CPU however it is asked for (a fault after ``MADV_WILLNEED``, a ``pread``: the
+        cost is the request), and a 1 MiB direct read ~160 us (0.6 us a block):
+        ``tools/bench_run_reads.py``. Read through, a span's unneeded blocks cost less than the
+        requests they save."""
+        if off.size > 1 and bool((off[1:] < off[:-1]).any()):   # (in the order asked for)
+            order = np.argsort(off, kind="stable")
+            out = torch.empty(off.size, rb, dtype=torch.uint8)
+            out[torch.from_numpy(order)] = self._read_rows(off[order], rb)
+            return out
+        out = torch.empty(off.size, rb, dtype=torch.uint8)
+        if not off.size:
+            return out
+        dlen = self.data.numel()
+        lo, hi = off // BLOCK, (off + rb - 1) // BLOCK
+        # Spans: a new one where a gap of more than GAP_BLOCKS blocks begins, and every
+        # SPAN bytes within a stretch without one (a row belongs to the span its first block is
+        # in; a span reads to its rows' last block).
+        brk = np.empty(off.size, dtype=bool)
+        brk[0] = True
+        np.greater(lo[1:] - hi[:-1], GAP_BLOCKS, out=brk[1:])
+        stretch = np.cumsum(brk) - 1
+        key = stretch * (dlen // BLOCK + 2) + (lo - lo[brk][stretch]) // (SPAN // BLOCK)
+        starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+        ends = np.append(starts[1:], off.size)
+        last = np.maximum.reduceat(hi, starts)
+        buf = mmap.mmap(-1, page_round(SPAN + rb + BLOCK))   # (page-aligned, as O_DIRECT wants)
+        view = torch.frombuffer(buf, dtype=torch.uint8)
+        raw = memoryview(buf)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fileio.set_direct(fd, True)   # (refused on tmpfs: read through its page cache)
+            for a, e, hb in zip(starts.tolist(), ends.tolist(), last.tolist()):
+                lb = int(lo[a])
+                n = min((hb + 1) * BLOCK, dlen) - lb * BLOCK
+                got = os.preadv(fd, [raw[:page_round(n)]], self.data_off + lb * BLOCK)
+                if got < n:
+                    raise RunCorruptError(f"run {self.path}: {got} bytes at byte {lb * BLOCK} of its data, "
+                                          f"{n} expected: truncated")
+                need = np.unique(np.concatenate([lo[a:e], hi[a:e]]))
+                todo = need[~self.verified[need]]
+                for b, at, c in zip(todo.tolist(), ((todo - lb) * BLOCK).tolist(), self.crcs[todo].tolist()):
+                    if _crc32c(raw[at:at + min(BLOCK, dlen - b * BLOCK)], 0, 0) != c:
+                        raise RunCorruptError(f"run {self.path}: rows at byte {b * BLOCK} of its data fail their "
+                                              f"checksum (bit flip or foreign write)")
+                self.verified[todo] = True
+                rel = off[a:e] - lb * BLOCK
+                shift = int(rel[0]) % rb
+                m = (n - shift) // rb
+                torch.index_select(view[shift:shift + m * rb].view(m, rb), 0,
+                                   torch.from_numpy((rel - shift) // rb), out=out[a:e])
+        finally:
+            os.close(fd)
+            del view
+        return out
 
     def will_need(self, blocks: torch.Tensor) -> int:
         """Ask for the pages of data blocks ``blocks`` (indexes, any order) at once: one
