@@ -86,3 +86,12 @@ def test_a_run_cut_short_after_it_was_opened_is_refused_by_a_bulk_read(tmp_path)
     os.truncate(path, run.data_off + run.tables["odd"].start + 100 * 1000)
     with pytest.raises(RunCorruptError, match="truncated"):
         run.rows("odd", ids, bulk=True)
+
+
+def test_bulk_reads_where_o_direct_is_refused_read_the_same_rows_through_the_page_cache(tmp_path, monkeypatch):
+    run, values = _run(tmp_path / "run.bin")
+    asked = []
+    monkeypatch.setattr(runfile.fileio, "set_direct", lambda fd, on: asked.append(on) or False)
+    ids, rows = values["odd"]
+    assert torch.equal(Run.open(tmp_path / "run.bin").rows("odd", ids, bulk=True), rows)
+    assert asked == [True]
