@@ -143,10 +143,7 @@ class Run:
     @classmethod
     def open(cls, path: Path, window: Arena | None = None) -> "Run":
         """``window``: map the rows there (at the next free offset) instead of on their own."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise RunCorruptError(f"run {path} is missing (its manifest names it)") from None
+        fd = _open_run(path)
         try:
             size = os.fstat(fd).st_size
             head = os.pread(fd, HEAD.size + 4, 0)
@@ -190,7 +187,7 @@ class Run:
         pos = torch.searchsorted(t.ids, ids)
         rb = t.row_bytes
         off = t.start + pos * rb
-        if bulk and ids.numel() >= BULK_ROWS and self.data is not None and self.data_off:
+        if bulk and ids.numel() >= BULK_ROWS:
             return self._read_rows(off.numpy(), rb)
         blocks = torch.cat([off // BLOCK, (off + rb - 1) // BLOCK])
         self.will_need(blocks)
@@ -201,8 +198,9 @@ class Run:
         """Rows of ``rb`` bytes at data offsets ``off`` (one table's, so all ``rb`` apart modulo
         ``rb``; any order), read from the file in spans of at most :data:`SPAN` bytes (gaps of up to
         :data:`GAP_BLOCKS` blocks read through), with ``O_DIRECT`` where the file system allows
-        it; each block verified from what was read. Nothing goes through the page cache: the
-        DRAM budget counts it, and a trim would drop it again.
+        it; each block verified from what was read. Nothing goes through the page cache (the
+        DRAM budget counts it, and a trim would drop it again), except where ``O_DIRECT`` is
+        refused (tmpfs before Linux 6.6, many FUSE file systems): there the reads are ordinary.
 
         Why: a compaction behind a DRAM cache reads the rows it carries home or moves on from
         runs whose pages every trim dropped, 80-170k rows on `kaggle` at the runs' bound, each
@@ -232,10 +230,11 @@ class Run:
         starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
         ends = np.append(starts[1:], off.size)
         last = np.maximum.reduceat(hi, starts)
-        buf = mmap.mmap(-1, page_round(SPAN + rb + BLOCK))   # (page-aligned, as O_DIRECT wants)
+        # (page-aligned, as O_DIRECT wants; as large as the largest span, not SPAN for a few rows)
+        buf = mmap.mmap(-1, page_round(int((last - lo[starts]).max() + 1) * BLOCK))
         view = torch.frombuffer(buf, dtype=torch.uint8)
         raw = memoryview(buf)
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = _open_run(self.path)
         try:
             fileio.set_direct(fd, True)   # (refused on tmpfs: read through its page cache)
             for a, e, hb in zip(starts.tolist(), ends.tolist(), last.tolist()):
@@ -245,13 +244,7 @@ class Run:
                 if got < n:
                     raise RunCorruptError(f"run {self.path}: {got} bytes at byte {lb * BLOCK} of its data, "
                                           f"{n} expected: truncated")
-                need = np.unique(np.concatenate([lo[a:e], hi[a:e]]))
-                todo = need[~self.verified[need]]
-                for b, at, c in zip(todo.tolist(), ((todo - lb) * BLOCK).tolist(), self.crcs[todo].tolist()):
-                    if _crc32c(raw[at:at + min(BLOCK, dlen - b * BLOCK)], 0, 0) != c:
-                        raise RunCorruptError(f"run {self.path}: rows at byte {b * BLOCK} of its data fail their "
-                                              f"checksum (bit flip or foreign write)")
-                self.verified[todo] = True
+                self._check(raw, np.unique(np.concatenate([lo[a:e], hi[a:e]])), lb)
                 rel = off[a:e] - lb * BLOCK
                 shift = int(rel[0]) % rb
                 m = (n - shift) // rb
@@ -291,14 +284,18 @@ class Run:
     def verify(self, blocks: torch.Tensor | None = None) -> None:
         """Check the crc32c of ``blocks`` (indexes; None: all) that were not checked yet."""
         todo = np.arange(len(self.crcs)) if blocks is None else np.unique(blocks.numpy())
-        todo = todo[~self.verified[todo]]
-        if not todo.size:
-            return
-        raw = memoryview(self.data.numpy())
-        want = self.crcs[todo].tolist()
-        for b, c in zip(todo.tolist(), want):
+        if todo.size:
+            self._check(memoryview(self.data.numpy()), todo, 0)
+
+    def _check(self, raw: memoryview, blocks: np.ndarray, first: int) -> None:
+        """Check the crc32c of data blocks ``blocks`` (sorted indexes) not checked yet, whose
+        bytes are in ``raw`` from block ``first`` on (the mapping's, or a bulk read's buffer)."""
+        todo = blocks[~self.verified[blocks]]
+        dlen = self.data.numel()
+        for b, c in zip(todo.tolist(), self.crcs[todo].tolist()):
+            at = (b - first) * BLOCK
             # (the C function on a memoryview slice: ~1 us a block, a third of crc32c_extend's wrapper)
-            if _crc32c(raw[b * BLOCK:(b + 1) * BLOCK], 0, 0) != c:
+            if _crc32c(raw[at:at + min(BLOCK, dlen - b * BLOCK)], 0, 0) != c:
                 raise RunCorruptError(f"run {self.path}: rows at byte {b * BLOCK} of its data fail their checksum "
                                       f"(bit flip or foreign write)")
         self.verified[todo] = True
@@ -545,6 +542,15 @@ def _block_crcs(parts: list) -> list[int]:
     if fill:
         crcs.append(crc)
     return crcs
+
+
+def _open_run(path: Path) -> int:
+    """A read-only descriptor of the run at ``path``; one the manifest names and the directory
+    lacks is damage (RunCorruptError), as at open."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise RunCorruptError(f"run {path} is missing (its manifest names it)") from None
 
 
 def _fadvise_dontneed(path: Path) -> None:

@@ -95,3 +95,13 @@ def test_bulk_reads_where_o_direct_is_refused_read_the_same_rows_through_the_pag
     ids, rows = values["odd"]
     assert torch.equal(Run.open(tmp_path / "run.bin").rows("odd", ids, bulk=True), rows)
     assert asked == [True]
+
+
+def test_a_run_deleted_under_an_open_pool_is_refused_by_a_bulk_read_as_missing(tmp_path):
+    path = tmp_path / "run.bin"
+    run, values = _run(path)
+    ids, rows = values["a"]
+    path.unlink()
+    assert torch.equal(run.rows("a", ids[:10]), rows[:10])   # (the mapping still holds it)
+    with pytest.raises(RunCorruptError, match="is missing"):
+        run.rows("a", ids, bulk=True)

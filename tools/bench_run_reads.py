@@ -16,7 +16,6 @@ it counts the kernel's work for the I/O on other threads). Run it with nothing e
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -24,20 +23,13 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_page_rmw import busy  # noqa: E402
 from memory_pool.runfile import Run, write_run  # noqa: E402
 
 ROW = 256
-
-
-def busy() -> float:
-    """Seconds of CPU the whole machine spent busy so far (steal left out)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv=None) -> int:
