@@ -94,6 +94,10 @@ from memory_pool import MemoryPool, Transaction, intra_op_threads, one_intra_op_
 from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan
 from .policy import WindowConfig, WindowPolicy, default_apply_bytes, default_compact_bytes
+
+# Recovery points whose END is remembered for compacted_through (a dict entry each; a compaction
+# covers a few hundred at most on `kaggle`, and an older answer is only a smaller one)
+MAX_POINTS_KEPT = 4096
 from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
 from .window import WindowRows
 
@@ -155,6 +159,7 @@ class UndoLogCheckpointer(Checkpointer):
         self._released = self._durable_commit
         self.window_start = self._durable_commit   # the newest recovery point handed over
         self._txn_start: dict[int, int] = {t.tag: t.first_seq for t in commits[-4:]}
+        self._txn_end: dict[int, int] = {}   # this process's recovery points: their END's seq (compacted_through)
         self._compact_soon = False   # compact at the next recovery point, whatever the journal holds
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -417,6 +422,9 @@ class UndoLogCheckpointer(Checkpointer):
         first = txn.first_seq if txn.first_seq is not None else txn.committed.end.seq
         with self._lock:
             self._txn_start[step] = first
+            self._txn_end[step] = txn.committed.end.seq
+            if len(self._txn_end) > MAX_POINTS_KEPT:   # (the oldest: compacted_through then answers an older point)
+                del self._txn_end[min(self._txn_end)]
             self._durable_commit = step
         self.stats.dense_bytes += n
         self._maybe_compact()
@@ -442,6 +450,22 @@ class UndoLogCheckpointer(Checkpointer):
             self.journal.rotate()
             self._compact_soon = False
             self.pool.compact(seq, wait=False)
+
+    def compacted_through(self) -> int | None:
+        """The newest recovery point of this process whose transaction lies wholly before the
+        journal's START: a compaction has put home every row committed up to it (None: none).
+        Not the point a compaction was started at: that one's transaction, and the segment it
+        shares with older ones, stay in the journal."""
+        start = self.journal.start_seq
+        with self._lock:
+            done = [s for s, end in self._txn_end.items() if end < start]
+            if not done:
+                return None
+            last = max(done)
+            for s in done:
+                if s < last:
+                    del self._txn_end[s]
+            return last
 
     def compact_soon(self) -> None:
         """Start a background compaction at the next recovery point, however little the journal

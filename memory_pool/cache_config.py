@@ -13,7 +13,8 @@ __all__ = ["CacheGroupConfig", "CacheArenaConfig", "CacheStats", "MAP_BYTES_PER_
            "budget_size"]
 
 MAP_BYTES_PER_ROW = 4        # the int32 row -> slot map
-META_BYTES_PER_SLOT = 18     # per slot: its row (int64), its stamp (int64), its clock bit and its dirty bit (bools)
+META_BYTES_PER_SLOT = 22     # per slot: its row (int64), its stamp (int64), its clock bit and its dirty bit (bools),
+                             # the batch that last changed it (int32)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class CacheStats:
     evictions: int = 0             # rows dropped from a slot for another
     dirty_evictions: int = 0       # of them, written back to the home first (write-back arenas: no clean slot left)
     flushes: int = 0               # rows written back by flush() (a direct home's recovery points; digest, export)
+    cleaned: int = 0               # dirty slots made clean because a compaction put their value home (clean_through)
     bytes_read_home: int = 0
     bytes_written_home: int = 0    # write-through at the end of each step (write-back arenas: evictions, flushes)
     wait_seconds: float = 0.0      # the step's time in begin(): reading misses, waiting for the prefetch's lock

@@ -44,9 +44,10 @@ only them into the images before mapping the images afresh (a *refresh*), and ke
 slots of big tables few (``DIRTY_FROM_HOME_BYTES``): where 40 % of one's slots are dirty, with
 the checkpointer drained, the pool writes every committed journal row into the images and maps
 them afresh (a *trim*, ``MemoryPool.trim_working_copy``); every slot then equals its home, and
-:meth:`mark_clean` says so (``dlrm_cxl.lookahead.WorkingCopyBound``). A crash loses nothing: what
-a dirty slot holds is either a committed after-image in the journal or part of the window that
-recovery replays.
+:meth:`mark_clean` says so (``dlrm_cxl.lookahead.WorkingCopyBound``). Most slots are made clean
+without one, once a background compaction has put their value home (:meth:`clean_through`). A
+crash loses nothing: what a dirty slot holds is either a committed after-image in the journal or
+part of the window that recovery replays.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class WriteBackSlots:
         self._ended: collections.deque = collections.deque()   # (seq, slots to mark dirty, rows begun)
         self._lock = SettlingLock(self._settle_ended)
         self._dirty_list = [] if self.flushed_at_recovery_points else None
+        self._last_end = -1   # the newest batch whose end is settled
 
     @property
     def lists_spilled(self) -> bool:
@@ -143,8 +145,10 @@ class WriteBackSlots:
                 st.rows_needed += began
                 st.hits += began
                 continue
+            self._last_end = seq
             if gslot is not None and gslot.numel():
                 with intra_op_threads(1):   # (small ops: as in begin)
+                    self._changed.index_fill_(0, gslot, seq)
                     new = torch.masked_select(gslot, ~self._dirty.index_select(0, gslot))
                     self._dirty.index_fill_(0, new, True)
                     if self._dirty_list is not None:
@@ -251,6 +255,47 @@ class WriteBackSlots:
                 out.append(rows)
             self._spilled = [[] for _ in self.groups]
         return out
+
+    @property
+    def last_ended(self) -> int:
+        """The newest batch (``seq``) whose step has ended (-1: none): a slot it or an earlier
+        one changed last is at most this in :meth:`clean_through`'s terms."""
+        with self._lock:
+            return self._last_end
+
+    def clean_through(self, seq: int, pend) -> int:
+        """A journaled home's compaction has put home the newest committed value of the rows
+        changed by batches up to ``seq``: the dirty slots no later batch changed hold exactly
+        that value, and become clean -- an eviction then drops them instead of writing them into
+        the working copy, and the trainer needs no trim to keep the clock's clean slots
+        (``dlrm_cxl.lookahead.WorkingCopyBound``). ``pend(group, rows)`` (rows sorted) makes
+        those rows read from where the compaction put them, not from the working copy
+        (``MemoryPool.pend_compacted``), and returns the mask of rows it did that for; only
+        those are made clean, and they leave the spilled list (:meth:`take_spilled`): the
+        working copy's value of a row evicted before it was cached and changed again is older,
+        and a refresh must not write it home. Call order: no step running, no compaction
+        running (the caller holds the pool's images). Returns the slots made clean."""
+        n = 0
+        with self._lock:
+            for gi, g in enumerate(self.groups):
+                if not self._ndirty[gi]:
+                    continue
+                a, b = int(self._slot_base[gi]), int(self._slot_base[gi + 1])
+                sl = (g.dirty & (self._changed[a:b] <= seq)).nonzero().squeeze(1)
+                if not sl.numel():
+                    continue
+                rows, order = torch.sort(g.slot_row.index_select(0, sl))
+                ok = pend(gi, rows)
+                sl, rows = sl.index_select(0, order).masked_select(ok), rows.masked_select(ok)
+                g.dirty.index_fill_(0, sl, False)
+                self._ndirty[gi] -= sl.numel()
+                if self._spilled[gi] and rows.numel():
+                    x = torch.unique(torch.cat(self._spilled[gi]))
+                    pos = torch.searchsorted(rows, x).clamp_(max=rows.numel() - 1)
+                    self._spilled[gi] = [x.masked_select(rows.index_select(0, pos) != x)]
+                n += sl.numel()
+            self.stats.cleaned += n
+        return n
 
     def mark_clean(self) -> None:
         """Every slot equals its home now (``MemoryPool.trim_working_copy`` wrote every committed

@@ -61,7 +61,7 @@ overlay whatever its size: there the working copy is given back at recovery poin
 over the images, or its pages dropped: ``Compaction.trim``, ``refresh``), and a trim writes every
 committed row home first -- in place, a read and a write of a 4 KiB page per 256-byte row of a
 home far larger than the page cache; through the overlay, a compaction: the rows packed into a
-run, sequential writes, no read. Five rules keep every row right:
+run, sequential writes, no read. Five rules keep every row right (a sixth: ``pend_absorbed``):
 
 * **given back, pending again** (:meth:`repend`): a run's row copied into the working copy is
   gone with it, so every row whose newest value is a run's is pending again, and the next read

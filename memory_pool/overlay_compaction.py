@@ -40,11 +40,16 @@ class Plan:
     written_home: int = 0                        # bytes written in place
     home_tables: set = field(default_factory=set)  # tables written in place (to be synced)
     run: Run | None = None
+    absorbed: dict = field(default_factory=dict)  # name -> the journal's rows it wrote (sorted): pend_absorbed
 
 
 
 class OverlayCompaction:
     """A compaction's part of :class:`~memory_pool.overlay.Overlay` (see the module)."""
+
+    # The rows the last finished compaction (or trim) wrote, per table (finish(): replaced, never
+    # changed in place; for pend_absorbed)
+    last_absorbed: dict = {}
 
     # -- compaction (the compactor's thread; see the module docstring for the order)
     def begin(self) -> None:
@@ -62,6 +67,7 @@ class OverlayCompaction:
         in ``ids`` (no record here newer than the refresh) are home already: no run value of
         theirs counts any more, tombstoned as rows written home are."""
         plan, region = self._plan, self.regions[name]
+        plan.absorbed[name] = ids
         rb = region.row_bytes
         per = PAGE // rb
         w = self.where.get(name)
@@ -344,6 +350,7 @@ class OverlayCompaction:
         plan, self._plan = self._plan, None
         if plan is None:
             return
+        self.last_absorbed = plan.absorbed
         with self._lock:
             for r in plan.cleaned:
                 r.close()
@@ -353,6 +360,38 @@ class OverlayCompaction:
                 fileio.unlink(r.path, missing_ok=True)
         if plan.cleaned:
             fsync_dir(self.dir)
+
+    def pend_absorbed(self, name: str, rows: torch.Tensor, absorbed: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``rows`` (sorted, distinct) of table ``name`` that a finished compaction wrote
+        (``absorbed``: its sorted rows of the table, :attr:`last_absorbed`) read from where it
+        put them from now on: pending from its run (the slot negated), or from the image
+        (``HOME``: a page of the working copy copied on write keeps an older value). Returns
+        the mask of ``rows`` that read so now (already pending ones included); a row the
+        compaction did not write, or one in a run being written (``NEW``), is not.
+
+        Why: a DRAM cache's dirty slot whose value a compaction put home is made clean
+        (``CacheArena.clean_through``), and dropped at its eviction; the working copy under it
+        holds an older value (the cache never wrote it there), so the next read must not take
+        that. Call order: no compaction running, nothing reading the table (a recovery point,
+        the cache paused)."""
+        ok = _isin_sorted(rows, absorbed) if absorbed is not None else torch.zeros(rows.numel(), dtype=torch.bool)
+        if not bool(ok.any()):
+            return ok
+        at = ok.nonzero().flatten()
+        r = rows.index_select(0, at)
+        with self._lock:
+            w = self._where(name)
+            wr = w.index_select(0, r)
+            mag = wr.to(torch.int16).abs_()
+            run = (wr > 0) & (mag != NEW)   # (its run's value, not pending yet)
+            home = wr == 0                  # (written home in place)
+            w.index_copy_(0, r.masked_select(run), wr.masked_select(run).neg())
+            homed = r.masked_select(home)
+            w.index_fill_(0, homed, HOME)
+            self._list_homed(name, homed)
+            self.pending_rows += int(run.sum()) + homed.numel()
+            ok.index_copy_(0, at, mag != NEW)
+        return ok
 
     def fail(self, exc: BaseException) -> None:
         """A compaction failed half way: the overlay in memory no longer matches the files."""

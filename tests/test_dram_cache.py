@@ -725,6 +725,33 @@ def test_refreshing_or_trimming_a_journaled_working_copy_keeps_every_row(root, u
 
 
 @pytest.mark.parametrize("tier", ["pmem", "power-sim"])
+def test_dirty_slots_a_compaction_put_home_become_clean_and_read_its_value_back_after_eviction(
+        root, uncached, tier, monkeypatch):
+    """A background compaction writes home (in place, or into its run) the newest committed
+    value of every row changed up to a recovery point; at the next recovery point the dirty
+    slots no step changed since become clean without a trim (``WorkingCopyBound._clean_compacted``),
+    their rows read from where the compaction put them. Here the working copy is never given
+    back (no trim, no refresh: each would make every run row pending again, and hide a row
+    left reading the working copy), compactions come every few steps, and the arena holds two
+    fifths of the rows: cleaned slots are evicted without a write and read back from the runs
+    and the images -- and every row stays right. (With the rows left reading the working copy
+    -- ``Overlay.pend_absorbed`` made to change no ``where`` -- this run's digest differs from
+    the uncached run's.)"""
+    monkeypatch.setattr(cache_arena, "DIRTY_FROM_HOME_BYTES", 0)  # (tiny's dirtiness counts)
+    monkeypatch.setattr(WorkingCopyBound, "CLEAN_AT_DIRTY", 2.0)
+    monkeypatch.setattr(WorkingCopyBound, "TRIM_EARLY_AT_DIRTY", 2.0)
+    monkeypatch.setattr(WorkingCopyBound, "MIN_ALLOWANCE", 10 ** 6)
+    monkeypatch.setenv("DLRM_CXL_COMPACT_MB", str(256 / 1024))
+    monkeypatch.setenv("DLRM_CXL_SEGMENT_MB", str(64 / 1024))
+    budget = MIN + (TINY.table_bytes - MIN) * 2 // 5
+    digest, summary, _ = train(root / f"clean-compacted-{tier}", N, tier=tier, dram_cache_bytes=budget, window=WINDOW)
+    m, c, p = summary.pool_stats["memory"], summary.pool_stats["cache"], summary.pool_stats
+    assert m["trims"] == 0 and m["refreshes"] == 0 and p["compactions"] >= 3, (m, p)
+    assert c["cleaned"] > 100 and c["rows_from_log"] > 0 and c["evictions"] > c["dirty_evictions"], c
+    assert digest == uncached[N]
+
+
+@pytest.mark.parametrize("tier", ["pmem", "power-sim"])
 def test_a_trim_for_dirty_slots_comes_right_after_the_compaction_it_asks_for(root, uncached, tier, monkeypatch):
     """Dirty slots past ``TRIM_EARLY_AT_DIRTY`` ask the checkpointer for a compaction (the
     journal's own threshold is out of reach here, and the immediate trim is off), and the trim
