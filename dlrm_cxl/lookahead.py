@@ -146,7 +146,7 @@ class WorkingCopyBound:
         self._armed: int | None = None
         # Dirty slots made clean once a compaction has put their value home (_clean_compacted):
         # the batch each recovery point's step ran as, and the compactions already looked at
-        self.cleans = os.environ.get("DLRM_CXL_CLEAN_COMPACTED", "1") != "0" and arena is not None and arena.lists_spilled
+        self.clean_after_compactions = os.environ.get("DLRM_CXL_CLEAN_COMPACTED", "1") != "0" and arena is not None and arena.lists_spilled
         self._seq_at: dict[int, int] = {}
         self._cleaned_for = pool.stats.compactions
         self.clean_seconds = 0.0
@@ -200,7 +200,7 @@ class WorkingCopyBound:
           of a few rows."""
         if self.refused or getattr(self.ckpt, "window_start", None) != step:
             return False
-        if self.cleans:
+        if self.clean_after_compactions:
             self._seq_at[step] = self.arena.last_ended
             self._clean_compacted()
         grown = process_memory().get("rss_anon", 0) - self.floor + self._image_cache()
@@ -258,24 +258,24 @@ class WorkingCopyBound:
         budget, four trims of ~3 s each on the trainer's thread in 600 steps at step ~3,000,
         while each compaction had just written most of those rows home in the background."""
         done = self.pool.stats.compactions
-        if done == self._cleaned_for:
+        if done == self._cleaned_for or not hasattr(self.ckpt, "compacted_through"):
             return
-        through = self.ckpt.compacted_through() if hasattr(self.ckpt, "compacted_through") else None
-        q = self._seq_at.get(through) if through is not None else None
-        with self.pool.compaction_idle() as last:
-            if last is None:
+        with self.pool.compactions_settled() as settled:
+            if not settled:
                 return   # (one is running: at a later recovery point)
             self._cleaned_for = done
-            if through is not None:   # (older points: no later compaction covers less)
-                self._seq_at = {s: v for s, v in self._seq_at.items() if s >= through}
-            if q is None or last[0] != done or not last[1]:
+            # (under the images: the journal's START and the overlay's last rows belong together)
+            through = self.ckpt.compacted_through()
+            if through is None:
+                return
+            self._seq_at = {s: v for s, v in self._seq_at.items() if s >= through}   # (none older is asked again)
+            seq = self._seq_at.get(through)
+            if seq is None:   # (a point before this process's first: its steps' batches are not known)
                 return
             M = self.arena.cfg.members
             t0 = time.perf_counter()
             with self.arena.paused():
-                self.arena.clean_through(q, lambda g, rows: self.pool.pend_compacted(
-                    self.names[g * M:(g + 1) * M], rows, last[1]))
-            last[1].clear()   # (its rows' ids, ~14 MB on `kaggle`: not needed again)
+                self.arena.clean_through(seq, lambda g, rows: self.pool.pend_compacted(self.names[g * M:(g + 1) * M], rows))
             self.clean_seconds += time.perf_counter() - t0
         if self._armed is not None and self.arena.dirty_fraction < self.TRIM_EARLY_AT_DIRTY:
             self._armed = None   # (the compaction it asked for made the trim needless)

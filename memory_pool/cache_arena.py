@@ -161,7 +161,8 @@ class CacheArena(WriteBackSlots):
         self._stamp = torch.full((sum(g.slots for g in cfg.groups),), -1, dtype=torch.int64)
         self._ref = torch.zeros(self._stamp.numel(), dtype=torch.bool)
         self._dirty = torch.zeros(self._stamp.numel(), dtype=torch.bool)
-        self._changed = torch.full((self._stamp.numel(),), -1, dtype=torch.int32)  # (the batch that last changed it: clean_through)
+        if self.lists_spilled:   # (the batch that last changed each slot: clean_through)
+            self._changed = torch.full((self._stamp.numel(),), -1, dtype=torch.int32)
         self._slot_row = torch.full((self._stamp.numel(),), -1, dtype=torch.int64)   # (each group's slot_row: a view)
         self._ndirty = [0] * len(cfg.groups)  # dirty slots per group
         # Per group, the rows written into the home (write-back arenas: dirty rows evicted or

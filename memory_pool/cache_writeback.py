@@ -58,6 +58,7 @@ import time
 
 import torch
 
+from .rowsets import isin_sorted
 from .threads import intra_op_threads
 
 __all__ = ["WriteBackSlots", "SettlingLock"]
@@ -110,6 +111,7 @@ class WriteBackSlots:
         self._lock = SettlingLock(self._settle_ended)
         self._dirty_list = [] if self.flushed_at_recovery_points else None
         self._last_end = -1   # the newest batch whose end is settled
+        self._changed = None  # per slot, the batch that last changed it (a journaled home's arena: clean_through)
 
     @property
     def lists_spilled(self) -> bool:
@@ -148,7 +150,8 @@ class WriteBackSlots:
             self._last_end = seq
             if gslot is not None and gslot.numel():
                 with intra_op_threads(1):   # (small ops: as in begin)
-                    self._changed.index_fill_(0, gslot, seq)
+                    if self._changed is not None:
+                        self._changed.index_fill_(0, gslot, seq)
                     new = torch.masked_select(gslot, ~self._dirty.index_select(0, gslot))
                     self._dirty.index_fill_(0, new, True)
                     if self._dirty_list is not None:
@@ -291,8 +294,7 @@ class WriteBackSlots:
                 self._ndirty[gi] -= sl.numel()
                 if self._spilled[gi] and rows.numel():
                     x = torch.unique(torch.cat(self._spilled[gi]))
-                    pos = torch.searchsorted(rows, x).clamp_(max=rows.numel() - 1)
-                    self._spilled[gi] = [x.masked_select(rows.index_select(0, pos) != x)]
+                    self._spilled[gi] = [x.masked_select(~isin_sorted(x, rows))]
                 n += sl.numel()
             self.stats.cleaned += n
         return n

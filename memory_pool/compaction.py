@@ -79,7 +79,6 @@ class Compaction:
         # thread, or inline), and by a bulk load (Table.load_, fill_) from before it forgets the
         # table's pending rows until its reset is committed: see images_held.
         self._image_lock = threading.RLock()
-        self.compacted: tuple[int, dict] = (0, {})   # (compactions, the rows the last one wrote): idle()
         self._compactor = Compactor()
         # A background compaction is only reading its journal in (JournalReader.preread): no
         # CPU of its own, so the steps keep every intra-op thread (computing, dlrm_cxl/cores.py).
@@ -183,18 +182,13 @@ class Compaction:
 
         def run():
             t0, c0 = time.perf_counter(), time.thread_time()
-            absorbed = {}
             with self._image_lock:  # (never beside a bulk load into an image: images_held)
-                if self.overlay is not None:
-                    self.overlay.last_absorbed = {}
                 self.stats.bytes_compacted += self.journal.reclaim(seq, absorb if self._journaled else None)
                 if self.overlay is not None:
                     self.overlay.finish()  # (after START moved: the cleaned runs' files go)
-                    absorbed = self.overlay.last_absorbed
                 if self._journaled and self.journal.start_seq > self._applied:
                     self._applied = self.journal.start_seq
                     self._vouch()
-                self.compacted = (self.stats.compactions + 1, absorbed)
             self.stats.compactions += 1
             self.stats.compact_seconds += time.perf_counter() - t0
             self.stats.compact_cpu_seconds += time.thread_time() - c0
@@ -531,25 +525,27 @@ class Compaction:
             self._mark.write(self._applied)
 
     @contextlib.contextmanager
-    def idle(self):
-        """``(compactions, {table: rows})``: the count of finished compactions and the rows the
-        last one wrote (through a row overlay), with no compaction able to run inside; None
-        instead when one holds the images now (not waited for: a caller between two steps
-        tries again at its next recovery point)."""
+    def settled(self):
+        """True: the images held, no compaction or trim running inside (the journal's START and
+        the overlay still), for :meth:`pend_compacted`; the last one's rows are forgotten at the
+        exit (~14 MB of ids on `kaggle`). False when one holds them now: not waited for (a caller
+        between two steps tries again at its next recovery point)."""
         if not self._image_lock.acquire(blocking=False):
-            yield None
+            yield False
             return
         try:
-            yield self.compacted
+            yield True
         finally:
+            if self.overlay is not None:
+                self.overlay.last_absorbed = {}
             self._image_lock.release()
 
-    def pend_compacted(self, names, rows: torch.Tensor, absorbed: dict) -> torch.Tensor:
-        """``Overlay.pend_absorbed`` of rows ``rows`` in each of tables ``names`` (the last
-        compaction's ``absorbed`` rows): the mask of rows that read its value in all of them."""
+    def pend_compacted(self, names, rows: torch.Tensor) -> torch.Tensor:
+        """``Overlay.pend_absorbed`` of rows ``rows`` in each of tables ``names`` (inside
+        :meth:`settled`): the mask of rows that read the last compaction's value in all of them."""
         ok = torch.ones(rows.numel(), dtype=torch.bool)
         for n in names:
-            ok &= self.overlay.pend_absorbed(n, rows, absorbed.get(n)) if self.overlay is not None else False
+            ok &= self.overlay.pend_absorbed(n, rows) if self.overlay is not None else False
         return ok
 
     # -- bulk loads (Table.load_, fill_)

@@ -14,6 +14,7 @@ from .arena import PAGE, populated
 from . import fileio
 from .durable import fsync_dir
 from .records import copy_rows, copy_rows_at
+from .rowsets import isin_sorted
 from .runfile import HEAD, Gathered, Run, RunCorruptError, write_run
 
 __all__ = ["OverlayCompaction", "Plan", "DENSE_FRACTION", "EVICT_FRACTION", "NEW", "HOME", "MAX_RUNS"]
@@ -47,8 +48,8 @@ class Plan:
 class OverlayCompaction:
     """A compaction's part of :class:`~memory_pool.overlay.Overlay` (see the module)."""
 
-    # The rows the last finished compaction (or trim) wrote, per table (finish(): replaced, never
-    # changed in place; for pend_absorbed)
+    # The rows the last finished compaction (or trim) wrote, per table, for pend_absorbed: set by
+    # finish(), forgotten once used (Compaction.settled); replaced, never changed in place
     last_absorbed: dict = {}
 
     # -- compaction (the compactor's thread; see the module docstring for the order)
@@ -87,7 +88,7 @@ class OverlayCompaction:
             page = rows // per
             cnt = torch.bincount(page, minlength=int(page[-1]) + 1 if page.numel() else 0)
             home = rows[(cnt * rb >= dense * PAGE)[page]]
-        in_window = _isin_sorted(home, ids)
+        in_window = isin_sorted(home, ids)
         values = populated(home.numel() * rb).view(home.numel(), rb)
         win, rest = in_window.nonzero().flatten(), (~in_window).nonzero().flatten()
         if win.numel():
@@ -99,13 +100,13 @@ class OverlayCompaction:
             plan.home_tables.add(name)
         # (every row written home: a row a refresh wrote home is 0 in ``where`` and may still
         # have an older value in a run; write() keeps the tombstones a surviving run needs)
-        home_already = superseded[~_isin_sorted(superseded, ids)] if superseded is not None else None
+        home_already = superseded[~isin_sorted(superseded, ids)] if superseded is not None else None
         if home_already is not None and home_already.numel():
             home_all = torch.unique(torch.cat([home, home_already]))
         else:
             home_all = home
         tombs = home_all if w is not None and home_all.numel() else torch.empty(0, dtype=torch.int64)
-        keep = ~_isin_sorted(ids, home)
+        keep = ~isin_sorted(ids, home)
         if bool(keep.all()):
             entries, kept = ids, raw
         else:
@@ -265,7 +266,7 @@ class OverlayCompaction:
                 held = torch.zeros(t[3].numel(), dtype=torch.bool)
                 for r in surviving:
                     if name in r.tables and self._counts(r, name):
-                        held |= _isin_sorted(t[3], r.tables[name].ids)
+                        held |= isin_sorted(t[3], r.tables[name].ids)
                 t[3] = t[3][held]
         tables = {n: tuple(t) for n, t in plan.tables.items() if t[1].numel() or t[3].numel()}
         if not tables:
@@ -361,9 +362,9 @@ class OverlayCompaction:
         if plan.cleaned:
             fsync_dir(self.dir)
 
-    def pend_absorbed(self, name: str, rows: torch.Tensor, absorbed: torch.Tensor | None) -> torch.Tensor:
-        """Rows ``rows`` (sorted, distinct) of table ``name`` that a finished compaction wrote
-        (``absorbed``: its sorted rows of the table, :attr:`last_absorbed`) read from where it
+    def pend_absorbed(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (sorted, distinct) of table ``name`` that the last finished compaction
+        wrote (:attr:`last_absorbed`) read from where it
         put them from now on: pending from its run (the slot negated), or from the image
         (``HOME``: a page of the working copy copied on write keeps an older value). Returns
         the mask of ``rows`` that read so now (already pending ones included); a row the
@@ -374,7 +375,8 @@ class OverlayCompaction:
         holds an older value (the cache never wrote it there), so the next read must not take
         that. Call order: no compaction running, nothing reading the table (a recovery point,
         the cache paused)."""
-        ok = _isin_sorted(rows, absorbed) if absorbed is not None else torch.zeros(rows.numel(), dtype=torch.bool)
+        absorbed = self.last_absorbed.get(name)
+        ok = isin_sorted(rows, absorbed) if absorbed is not None else torch.zeros(rows.numel(), dtype=torch.bool)
         if not bool(ok.any()):
             return ok
         at = ok.nonzero().flatten()
@@ -410,10 +412,3 @@ def _merge_sorted(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     merged[at_b] = b
     return merged, at_a, at_b
 
-
-def _isin_sorted(a: torch.Tensor, sorted_b: torch.Tensor) -> torch.Tensor:
-    """``a[i] in sorted_b`` for every i (``sorted_b`` sorted ascending)."""
-    if not sorted_b.numel() or not a.numel():
-        return torch.zeros(a.numel(), dtype=torch.bool)
-    pos = torch.searchsorted(sorted_b, a).clamp_(max=sorted_b.numel() - 1)
-    return sorted_b[pos] == a

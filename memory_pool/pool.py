@@ -163,16 +163,16 @@ class MemoryPool(RowGathering):
         return self.journaled and (self._compaction.trim([self.table(n).region for n in names]) if written is None
                                    else self._compaction.refresh(written))
 
-    def compaction_idle(self):
-        """``Compaction.idle``: ``(compactions, rows the last one wrote)`` with none running
-        inside, or None where one holds the images now (a context manager)."""
-        return self._compaction.idle()
+    def compactions_settled(self):
+        """``Compaction.settled`` (a context manager): True with no compaction running inside, False
+        where one holds the images now."""
+        return self._compaction.settled()
 
-    def pend_compacted(self, names, rows: torch.Tensor, absorbed: dict) -> torch.Tensor:
+    def pend_compacted(self, names, rows: torch.Tensor) -> torch.Tensor:
         """``Compaction.pend_compacted``: rows ``rows`` of tables ``names`` read the last
-        compaction's value from now on; the mask of those that do (inside :meth:`compaction_idle`)."""
+        compaction's value from now on; the mask of those that do (inside :meth:`compactions_settled`)."""
         self._check_writable()
-        return self._compaction.pend_compacted(names, rows, absorbed)
+        return self._compaction.pend_compacted(names, rows)
 
     overlay_bound = property(lambda self: self._compaction.overlay_bound)  # (bytes of runs the row overlay keeps; 0: none)
 

@@ -18,7 +18,15 @@ import torch
 from ._native import distinct_rows as _c_distinct
 from ._native import first_touch as _c_first_touch
 
-__all__ = ["DistinctRows", "distinct_sorted", "first_touch", "first_touch_numpy"]
+__all__ = ["DistinctRows", "distinct_sorted", "first_touch", "first_touch_numpy", "isin_sorted"]
+
+
+def isin_sorted(a: torch.Tensor, sorted_b: torch.Tensor) -> torch.Tensor:
+    """``a[i] in sorted_b`` for every i (``sorted_b`` sorted ascending): a bool mask over ``a``."""
+    if not sorted_b.numel() or not a.numel():
+        return torch.zeros(a.numel(), dtype=torch.bool)
+    pos = torch.searchsorted(sorted_b, a).clamp_(max=sorted_b.numel() - 1)
+    return sorted_b[pos] == a
 
 
 def distinct_sorted(ids, *, narrow: bool = False) -> torch.Tensor:
