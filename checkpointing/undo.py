@@ -94,12 +94,12 @@ from memory_pool import MemoryPool, Transaction, intra_op_threads, one_intra_op_
 from .base import Checkpointer, CheckpointStats, Step, Touched
 from .crash import COMMIT_PHASES, CrashPlan
 from .policy import WindowConfig, WindowPolicy, default_apply_bytes, default_compact_bytes
+from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
+from .window import WindowRows
 
 # Recovery points whose END is remembered for compacted_through (a dict entry each; a compaction
 # covers a few hundred at most on `kaggle`, and an older answer is only a smaller one)
 MAX_POINTS_KEPT = 4096
-from .store import RUNNING_MARKER, DensePacker, ckpt_dir, commit_doc, is_commit
-from .window import WindowRows
 
 __all__ = ["UndoLogCheckpointer", "RUNNING_MARKER", "DenseStateFn", "Step", "loss_bits"]
 

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from checkpointing.undo import MAX_POINTS_KEPT
 from memory_pool.overlay import RUNS_DIR
 from memory_pool.residency import page_cache_bytes, pool_memory, process_memory
 
@@ -144,13 +145,18 @@ class WorkingCopyBound:
         # The pool's compaction count when dirtiness passed TRIM_EARLY_AT_DIRTY (None: below it,
         # or trimmed since): a trim is due once a compaction ended after that
         self._armed: int | None = None
+        pool.bound_working_copy(self.names)
         # Dirty slots made clean once a compaction has put their value home (_clean_compacted):
-        # the batch each recovery point's step ran as, and the compactions already looked at
-        self.clean_after_compactions = os.environ.get("DLRM_CXL_CLEAN_COMPACTED", "1") != "0" and arena is not None and arena.lists_spilled
+        # only where a compaction writes through the row overlay (its rows are what a slot is
+        # made clean against: with DLRM_CXL_RUNS_MB=0 none ever is) and the checkpointer says
+        # which recovery point it covered. The batch each recovery point's step ran as (at most
+        # as many points as the checkpointer remembers), and the compactions already looked at.
+        self.clean_after_compactions = (os.environ.get("DLRM_CXL_CLEAN_COMPACTED", "1") != "0"
+                                        and arena is not None and arena.lists_spilled
+                                        and pool.overlay_bound > 0 and hasattr(ckpt, "compacted_through"))
         self._seq_at: dict[int, int] = {}
         self._cleaned_for = pool.stats.compactions
         self.clean_seconds = 0.0
-        pool.bound_working_copy(self.names)
 
     def _rows_read(self) -> int:
         """Rows times members the cache has read from the home (each a page at most)."""
@@ -202,6 +208,8 @@ class WorkingCopyBound:
             return False
         if self.clean_after_compactions:
             self._seq_at[step] = self.arena.last_ended
+            if len(self._seq_at) > MAX_POINTS_KEPT:   # (as the checkpointer forgets its oldest)
+                del self._seq_at[min(self._seq_at)]
             self._clean_compacted()
         grown = process_memory().get("rss_anon", 0) - self.floor + self._image_cache()
         self.peak = max(self.peak, grown)
@@ -257,13 +265,13 @@ class WorkingCopyBound:
         clean by writing every committed row home itself, inline: on `kaggle` behind a quarter
         budget, four trims of ~3 s each on the trainer's thread in 600 steps at step ~3,000,
         while each compaction had just written most of those rows home in the background."""
-        done = self.pool.stats.compactions
-        if done == self._cleaned_for or not hasattr(self.ckpt, "compacted_through"):
+        if self.pool.stats.compactions == self._cleaned_for:
             return
         with self.pool.compactions_settled() as settled:
             if not settled:
                 return   # (one is running: at a later recovery point)
-            self._cleaned_for = done
+            # (read under the hold: one that ended since the check above is this one's too)
+            self._cleaned_for = self.pool.stats.compactions
             # (under the images: the journal's START and the overlay's last rows belong together)
             through = self.ckpt.compacted_through()
             if through is None:
